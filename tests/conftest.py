@@ -1,0 +1,35 @@
+"""Test setup: 8 fake CPU devices (sharding tests) and runtime shape checks.
+
+Both must happen before JAX and tree_rl are imported.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+# jaxtyping + beartype check every annotated shape in tree_rl during tests
+# (off in training, where the hook is not installed).
+from jaxtyping import install_import_hook  # noqa: E402
+
+install_import_hook("tree_rl", "beartype.beartype")
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  if _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a GPU")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)

@@ -1,0 +1,174 @@
+"""The advantage-estimator registry and its output type.
+
+Every estimator is a pure function `fn(batch, config, **inputs) -> Advantages`
+registered under an `AdvEstimator` member together with its frozen config
+dataclass (paper defaults) and the names of any extra per-token inputs it
+needs (APPO: the current policy's log-probs and entropies). Config validation
+reads this registry, so the Enum and the implementations cannot drift.
+
+Output contract. `Advantages.node_leaf[b, n, k]` is the advantage of the
+policy tokens of node n *as part of leaf k's root-to-leaf sequence*: 0 when n
+is not on k's path and on prompt/env nodes. A per-(node, leaf) array is what
+makes the tree loss equal the flattened-leaf loss for every method: GRPO over
+the leaves of a tree gives a shared prefix a different advantage in each
+sequence it belongs to, and PORTool's Theorem 3.1 weight omega_2 depends on
+the sequence (|tau_j|). Methods whose advantage is a per-node value
+(TreeRPO) broadcast it over the leaves below. `token_scale` is a positive
+per-token multiplier (APPO's 1 + b * A_fut, ones elsewhere), and `leaf_mask`
+says which sequences are trained (APPO: the initial rollouts only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from tree_rl.tree.batch import TreeBatch
+from tree_rl.tree.derived import TreeStructure
+from tree_rl.tree.types import Array, Bool, Float
+
+
+class AdvEstimator(str, enum.Enum):
+  GRPO = "grpo"
+  DR_GRPO = "dr_grpo"
+  DAPO = "dapo"
+  RLOO = "rloo"
+  ARPO = "arpo"
+  TREE_GRPO = "tree_grpo"
+  TREE_RPO = "tree_rpo"
+  PORTOOL = "portool"
+  APPO = "appo"
+  AWPO = "awpo"
+
+  @classmethod
+  def _missing_(cls, value):
+    raise ValueError(
+        f"unknown advantage estimator {value!r}; valid: {[m.value for m in cls]}"
+    )
+
+
+@flax.struct.dataclass
+class Advantages:
+  node_leaf: Float[Array, "B N K"]
+  token_scale: Float[Array, "B L"]
+  leaf_mask: Bool[Array, "B K"]
+  metrics: dict[str, Float[Array, ""]] = flax.struct.field(default_factory=dict)
+  # Method-specific arrays the loss or the logs need (PORTool's trajectory and
+  # fork parts for the two-term surrogate, AWPO's batch clip radius).
+  extras: dict[str, Array] = flax.struct.field(default_factory=dict)
+
+  @staticmethod
+  def from_leaf_values(
+      st: TreeStructure,
+      leaf_adv: Float[Array, "B K"],
+      token_scale_shape: tuple[int, int],
+      leaf_mask: Bool[Array, "B K"] | None = None,
+      **kw,
+  ) -> "Advantages":
+    """Each leaf's advantage on every policy node of its path."""
+    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
+    node_leaf = jnp.where(
+        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :],
+        leaf_adv[:, None, :], 0.0)
+    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
+                      leaf_mask=mask, **kw)
+
+  @staticmethod
+  def from_node_values(
+      st: TreeStructure,
+      node_adv: Float[Array, "B N"],
+      token_scale_shape: tuple[int, int],
+      leaf_mask: Bool[Array, "B K"] | None = None,
+      **kw,
+  ) -> "Advantages":
+    """One advantage per policy node, the same in every sequence through it."""
+    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
+    node_leaf = jnp.where(
+        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :],
+        node_adv[:, :, None], 0.0)
+    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
+                      leaf_mask=mask, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+  name: AdvEstimator
+  fn: Callable[..., Advantages]
+  config_cls: type
+  inputs: tuple[str, ...]  # extra keyword inputs, e.g. ("logp", "entropy")
+
+
+_REGISTRY: dict[AdvEstimator, Registered] = {}
+
+
+def register(name: AdvEstimator, config_cls: type, inputs: tuple[str, ...] = ()):
+  """Decorator: registers `fn(batch, config, **inputs) -> Advantages`."""
+
+  def deco(fn):
+    if name in _REGISTRY:
+      raise ValueError(f"advantage estimator {name.value!r} registered twice")
+    _REGISTRY[name] = Registered(AdvEstimator(name), fn, config_cls, tuple(inputs))
+    return fn
+
+  return deco
+
+
+def get(name: AdvEstimator | str) -> Registered:
+  key = AdvEstimator(name)
+  if key not in _REGISTRY:
+    raise ValueError(
+        f"advantage estimator {key.value!r} has no implementation; registered:"
+        f" {sorted(k.value for k in _REGISTRY)}"
+    )
+  return _REGISTRY[key]
+
+
+def registered() -> list[AdvEstimator]:
+  return sorted(_REGISTRY, key=lambda k: list(AdvEstimator).index(k))
+
+
+def make_config(name: AdvEstimator | str, **overrides: Any):
+  """The estimator's config with paper defaults, overridden by `overrides`.
+
+  Unknown keys fail listing the valid ones.
+  """
+  entry = get(name)
+  fields = {f.name for f in dataclasses.fields(entry.config_cls)}
+  bad = sorted(set(overrides) - fields)
+  if bad:
+    raise ValueError(
+        f"unknown option(s) {bad} for estimator {entry.name.value!r}; valid: {sorted(fields)}"
+    )
+  return entry.config_cls(**overrides)
+
+
+@functools.partial(jax.jit, static_argnames=("name", "config"))
+def _compute(batch, name, config, inputs):
+  return get(name).fn(batch, config, **inputs)
+
+
+def compute_advantages(
+    name: AdvEstimator | str, batch: TreeBatch, config: Any = None, **inputs: Array
+) -> Advantages:
+  """Runs a registered estimator under jit (one compile per shape and config)."""
+  entry = get(name)
+  config = entry.config_cls() if config is None else config
+  if not isinstance(config, entry.config_cls):
+    raise TypeError(
+        f"estimator {entry.name.value!r} takes a {entry.config_cls.__name__}, got"
+        f" {type(config).__name__}"
+    )
+  missing = sorted(set(entry.inputs) - set(inputs))
+  extra = sorted(set(inputs) - set(entry.inputs))
+  if missing or extra:
+    raise ValueError(
+        f"estimator {entry.name.value!r} takes inputs {list(entry.inputs)};"
+        f" missing {missing}, unexpected {extra}"
+    )
+  return _compute(batch, entry.name, config, inputs)
