@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax.numpy as jnp

@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from tree_rl.tree.types import LeafTag, NodeKind
+
+Real = float | int  # host inputs: ints are accepted wherever a float is
 
 
 class TreeError(ValueError):
@@ -93,10 +96,10 @@ class RolloutTree:
       parent: int,
       kind: NodeKind | int,
       tokens: Sequence[int],
-      logprobs: Sequence[float] | None = None,
-      entropies: Sequence[float] | None = None,
+      logprobs: Sequence[Real] | None = None,
+      entropies: Sequence[Real] | None = None,
       step: int | None = None,
-      rewards: Mapping[str, float] | None = None,
+      rewards: Mapping[str, Real] | None = None,
   ) -> int:
     """Appends a node under `parent` and returns its index.
 
@@ -119,7 +122,7 @@ class RolloutTree:
             logprobs=None if logprobs is None else [float(x) for x in logprobs],
             entropies=None if entropies is None else [float(x) for x in entropies],
             step=step,
-            rewards=dict(rewards or {}),
+            rewards={k: float(v) for k, v in (rewards or {}).items()},
         )
     )
     return len(self.nodes) - 1
@@ -127,14 +130,13 @@ class RolloutTree:
   def add_leaf(
       self,
       node: int,
-      rewards: Mapping[str, float],
+      rewards: Mapping[str, Real],
       truncated: bool = False,
       tag: LeafTag | int = LeafTag.INIT,
   ) -> int:
     """Marks `node` as the end of a trajectory and returns the leaf index."""
-    self.leaves.append(
-        Leaf(node=node, rewards=dict(rewards), truncated=truncated, tag=LeafTag(tag))
-    )
+    self.leaves.append(Leaf(node=node, rewards={k: float(v) for k, v in rewards.items()},
+                            truncated=truncated, tag=LeafTag(tag)))
     return len(self.leaves) - 1
 
   # --------------------------------------------------------------------------

@@ -1,0 +1,204 @@
+"""GRPO, Dr.GRPO, DAPO, RLOO, ARPO, Tree-GRPO and TreeRPO: hand fixtures,
+oracle agreement on random trees, and reductions to GRPO on depth-1 trees."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests import strategies as S
+from tests.algos import harness
+from tests.algos.ref_baselines import REFERENCES
+from tree_rl import algos
+from tree_rl.algos import grpo, registry, tree_baselines  # noqa: F401  (registers)
+from tree_rl.tree import NodeKind, RolloutTree, pack
+
+SETTINGS = settings(max_examples=200, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+TREES = st.lists(st.one_of(S.general_tree(), S.flat_tree()), min_size=1, max_size=4)
+
+
+def _flat(rewards, lengths=None):
+  """A depth-1 tree: one single-node rollout per reward."""
+  t = RolloutTree.new([1, 2])
+  for i, r in enumerate(rewards):
+    n = (lengths or [2] * len(rewards))[i]
+    node = t.add_node(0, NodeKind.POLICY, [3] * n, logprobs=[-0.5] * n)
+    t.add_leaf(node, {"outcome": r})
+  return t
+
+
+def _leaf_adv(name, tree, config=None):
+  """Per-leaf advantage read off the leaf's own (last policy) node."""
+  batch, adv = harness.run(name, [tree], config)
+  nl = np.asarray(adv.node_leaf)[0]
+  return np.array([nl[l.node, k] for k, l in enumerate(tree.canonical().leaves)])
+
+
+# ----------------------------------------------------------------------------
+# Hand fixtures
+# ----------------------------------------------------------------------------
+
+
+def test_grpo_hand():
+  # rewards [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3) = 0.577350
+  # -> A = +-0.5 / 0.577350 = +-0.866025 (eps 1e-6 changes the 6th digit).
+  np.testing.assert_allclose(_leaf_adv("grpo", _flat([1, 0, 0, 1])),
+                             [0.866025, -0.866025, -0.866025, 0.866025], atol=5e-6)
+  # Population std (ddof=0) is 0.5 -> +-1.
+  cfg = grpo.GRPOConfig(std_ddof=0)
+  np.testing.assert_allclose(_leaf_adv("grpo", _flat([1, 0, 0, 1]), cfg), [1, -1, -1, 1],
+                             atol=1e-5)
+
+
+def test_dr_grpo_and_rloo_hand():
+  # Dr.GRPO: R - mean = [0.75, -0.25, -0.25, -0.25].
+  np.testing.assert_allclose(_leaf_adv("dr_grpo", _flat([1, 0, 0, 0])),
+                             [0.75, -0.25, -0.25, -0.25], atol=1e-6)
+  # RLOO: 1 - mean(0,0,0) = 1; 0 - mean(1,0,0) = -1/3.
+  np.testing.assert_allclose(_leaf_adv("rloo", _flat([1, 0, 0, 0])),
+                             [1, -1 / 3, -1 / 3, -1 / 3], atol=1e-6)
+  np.testing.assert_allclose(_leaf_adv("rloo", _flat([1])), [0.0])
+
+
+def test_dapo_overlong_penalty_hand():
+  # L_max = 10, L_cache = 4 -> free up to 6 tokens; 8 tokens -> (6 - 8)/4 = -0.5;
+  # 11 tokens -> -1.
+  y = jnp.array([[6.0, 8.0, 10.0, 11.0]])
+  np.testing.assert_allclose(grpo.overlong_penalty(y, 10, 4), [[0, -0.5, -1.0, -1.0]])
+  cfg = grpo.DAPOConfig(max_response_tokens=10, overlong_buffer_tokens=4, std_ddof=0)
+  # All outcomes 1, lengths 6 and 8 -> shaped rewards [1, 0.5] -> z = [1, -1].
+  np.testing.assert_allclose(_leaf_adv("dapo", _flat([1, 1], [6, 8]), cfg), [1, -1], atol=1e-5)
+
+
+def test_dapo_keep_mask():
+  batch = pack([_flat([1, 1, 1]), _flat([1, 0, 1]), _flat([0, 0])], S.TEST_BUCKETS)
+  np.testing.assert_array_equal(grpo.dapo_keep_mask(batch), [False, True, False])
+
+
+def test_arpo_hard_attribution_averages_shared_tokens():
+  t = RolloutTree.new([1])
+  a = t.add_node(0, NodeKind.POLICY, [2, 3], logprobs=[-1, -1])
+  b = t.add_node(a, NodeKind.POLICY, [4], logprobs=[-1])
+  c = t.add_node(a, NodeKind.POLICY, [5], logprobs=[-1])
+  d = t.add_node(0, NodeKind.POLICY, [6], logprobs=[-1])
+  for n, r in [(b, 1), (c, 0), (d, 0)]:
+    t.add_leaf(n, {"outcome": r})
+  _, soft = harness.run("arpo", [t])
+  _, hard = harness.run("arpo", [t], grpo.ARPOConfig(attribution="hard"))
+  z = np.array([1.154701, -0.577350, -0.577350])  # [1, 0, 0], unbiased std
+  np.testing.assert_allclose(np.asarray(soft.node_leaf)[0, a, :3], [z[0], z[1], 0], atol=5e-6)
+  mean_a = (z[0] + z[1]) / 2
+  np.testing.assert_allclose(np.asarray(hard.node_leaf)[0, a, :3], [mean_a, mean_a, 0], atol=5e-6)
+  np.testing.assert_allclose(np.asarray(hard.node_leaf)[0, b, 0], z[0], atol=5e-6)
+
+
+def test_tree_grpo_hand():
+  # root -> X -> {x1: 1, x2: 0};  root -> Y: 0.
+  # intra (sub-tree X): [1, 0] -> +-0.707107; sub-tree Y alone -> 0.
+  # inter [1, 0, 0] -> [1.154701, -0.577350, -0.577350].
+  t = RolloutTree.new([1])
+  x = t.add_node(0, NodeKind.POLICY, [2], logprobs=[-1])
+  e = t.add_node(x, NodeKind.ENV, [3])
+  x1 = t.add_node(e, NodeKind.POLICY, [4], logprobs=[-1])
+  x2 = t.add_node(e, NodeKind.POLICY, [5], logprobs=[-1])
+  y = t.add_node(0, NodeKind.POLICY, [6], logprobs=[-1])
+  for n, r in [(x1, 1), (x2, 0), (y, 0)]:
+    t.add_leaf(n, {"outcome": r})
+  got = _leaf_adv("tree_grpo", t)
+  np.testing.assert_allclose(got, [1.861808, -1.284457, -0.577350], atol=5e-6)
+
+
+def test_tree_rpo_hand():
+  # root -> A -> env -> {A1: 1, A2 -> {A2a: 0, A2b: 0}};  root -> B: 1.
+  # Backed-up (unweighted) means: R(A2) = 0, R(A) = (1 + 0)/2 = 0.5, R(B) = 1.
+  # Root group [0.5, 1], unbiased std 0.353553 -> A: -0.707107, B: +0.707107.
+  # Group under env [1, 0] -> A1: +0.707107, A2: -0.707107; A2's children tie -> 0.
+  t = RolloutTree.new([1])
+  a = t.add_node(0, NodeKind.POLICY, [2], logprobs=[-1])
+  e = t.add_node(a, NodeKind.ENV, [3])
+  a1 = t.add_node(e, NodeKind.POLICY, [4], logprobs=[-1])
+  a2 = t.add_node(e, NodeKind.POLICY, [5], logprobs=[-1])
+  a2a = t.add_node(a2, NodeKind.POLICY, [6], logprobs=[-1])
+  a2b = t.add_node(a2, NodeKind.POLICY, [7], logprobs=[-1])
+  b = t.add_node(0, NodeKind.POLICY, [8], logprobs=[-1])
+  for n, r in [(a1, 1), (a2a, 0), (a2b, 0), (b, 1)]:
+    t.add_leaf(n, {"outcome": r})
+  batch, adv = harness.run("tree_rpo", [t])
+  canon = t.canonical()
+  nl = np.asarray(adv.node_leaf)[0]
+  backed = np.asarray(adv.extras["backed_up"])[0]
+  # Canonical order equals insertion order here (each node added under the
+  # previous subtree in depth-first order).
+  assert [n.parent for n in canon.nodes] == [n.parent for n in t.nodes]
+  np.testing.assert_allclose(backed[[a, a2, b, 0]], [0.5, 0.0, 1.0, 0.75], atol=1e-6)
+  np.testing.assert_allclose(nl[a, 0], -0.707107, atol=5e-6)
+  np.testing.assert_allclose(nl[b, 3], 0.707107, atol=5e-6)
+  np.testing.assert_allclose(nl[a1, 0], 0.707107, atol=5e-6)
+  np.testing.assert_allclose(nl[a2, 1:3], [-0.707107, -0.707107], atol=5e-6)
+  np.testing.assert_allclose(nl[a2a, 1], 0.0, atol=1e-7)
+  assert nl[e].sum() == 0  # env node: no loss tokens, no advantage
+
+
+# ----------------------------------------------------------------------------
+# Oracle agreement
+# ----------------------------------------------------------------------------
+
+CONFIGS = {
+    "grpo": [grpo.GRPOConfig(), grpo.GRPOConfig(std_ddof=0, reward_channels=("outcome", "format"))],
+    "dr_grpo": [grpo.DrGRPOConfig()],
+    "dapo": [grpo.DAPOConfig(), grpo.DAPOConfig(max_response_tokens=8, overlong_buffer_tokens=4)],
+    "rloo": [grpo.RLOOConfig()],
+    "arpo": [grpo.ARPOConfig(), grpo.ARPOConfig(attribution="hard", std_ddof=0)],
+    "tree_grpo": [tree_baselines.TreeGRPOConfig(), tree_baselines.TreeGRPOConfig(std_ddof=0)],
+    "tree_rpo": [tree_baselines.TreeRPOConfig(), tree_baselines.TreeRPOConfig(std_ddof=0)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_reference(name):
+  @SETTINGS
+  @given(TREES, st.integers(0, len(CONFIGS[name]) - 1))
+  def check(trees, ci):
+    harness.assert_matches_reference(name, trees, REFERENCES[name], CONFIGS[name][ci])
+
+  check()
+
+
+# ----------------------------------------------------------------------------
+# Invariances
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,config", [
+    ("tree_grpo", tree_baselines.TreeGRPOConfig()),
+    ("tree_rpo", tree_baselines.TreeRPOConfig()),
+    ("arpo", grpo.ARPOConfig()),
+    ("arpo", grpo.ARPOConfig(attribution="hard")),
+])
+def test_depth_one_tree_gives_grpo(name, config):
+  @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+  @given(st.lists(S.flat_tree(), min_size=1, max_size=4))
+  def check(trees):
+    _, want = harness.run("grpo", trees)
+    _, got = harness.run(name, trees, config)
+    np.testing.assert_allclose(np.asarray(got.node_leaf), np.asarray(want.node_leaf), atol=1e-5)
+
+  check()
+
+
+def test_bad_names_and_options_fail_listing_valid_values():
+  with pytest.raises(ValueError, match="valid:.*'grpo'"):
+    algos.AdvEstimator("grpoo")
+  with pytest.raises(ValueError, match="unknown option.*valid"):
+    registry.make_config("grpo", std_dof=1)
+  with pytest.raises(ValueError, match="attribution.*choose one of"):
+    grpo.ARPOConfig(attribution="sometimes")
+  with pytest.raises(ValueError, match="std_ddof"):
+    grpo.GRPOConfig(std_ddof=2)
+  batch = pack([_flat([1, 0])], S.TEST_BUCKETS)
+  with pytest.raises(TypeError, match="GRPOConfig"):
+    registry.compute_advantages("grpo", batch, grpo.DAPOConfig())
+  with pytest.raises(KeyError, match="unknown reward channel"):
+    registry.compute_advantages("grpo", batch, grpo.GRPOConfig(reward_channels=("accuracy",)))

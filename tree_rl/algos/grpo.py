@@ -1,0 +1,252 @@
+"""Group-relative baselines: GRPO, Dr.GRPO, DAPO, RLOO and ARPO.
+
+The group is every leaf of a tree (one prompt). On a depth-1 tree (G
+independent rollouts) this is plain GRPO; on a branched tree it is ARPO's
+"GRPO over every leaf". Each leaf's advantage is written on every policy node
+of its path; a shared prefix therefore carries a different advantage in each
+sequence through it, exactly as when the leaves are flattened.
+
+Standard-deviation convention: verl computes GRPO's std with torch.std, which
+is unbiased (ddof=1); the papers do not say. ddof is a config field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+from tree_rl.algos.registry import AdvEstimator, Advantages, register
+from tree_rl.tree import segment
+from tree_rl.tree.batch import TreeBatch
+from tree_rl.tree.derived import TreeStructure, structure
+from tree_rl.tree.types import Array, Bool, Float
+
+
+def _check_choice(name: str, value, valid) -> None:
+  if value not in valid:
+    raise ValueError(f"{name}={value!r} is not valid; choose one of {sorted(valid)}")
+
+
+def _check_common(reward_channels, std_ddof, std_eps) -> None:
+  if not reward_channels:
+    raise ValueError("reward_channels must name at least one leaf reward channel")
+  _check_choice("std_ddof", std_ddof, (0, 1))
+  if std_eps < 0:
+    raise ValueError(f"std_eps={std_eps} must be >= 0")
+
+
+def tree_zscore(
+    values: Float[Array, "B K"], st: TreeStructure, *, ddof: int, eps: float,
+    center_only: bool = False,
+) -> Float[Array, "B K"]:
+  """Z-score of per-leaf values over all valid leaves of each tree."""
+  group = jnp.zeros(values.shape, jnp.int32)
+  return segment.segment_zscore(values, group, 1, st.leaf_valid, ddof=ddof, eps=eps,
+                                center_only=center_only)
+
+
+# ----------------------------------------------------------------------------
+# GRPO
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  reward_channels: tuple[str, ...] = ("outcome",)  # summed into the leaf reward
+  std_ddof: int = 1  # NOT STATED in DeepSeekMath; verl's torch.std is unbiased
+  std_eps: float = 1e-6  # verl's epsilon
+
+  def __post_init__(self):
+    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+
+
+@register(AdvEstimator.GRPO, GRPOConfig)
+def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
+  """A_k = (R_k - mean_G R) / (std_G R + eps) over the leaves of each tree.
+
+  DeepSeekMath eq. (outcome supervision): every token of rollout k gets A_k.
+  """
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
+  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+
+
+def _group_metrics(r: Float[Array, "B K"], st: TreeStructure) -> dict:
+  tree_ok = st.leaf_valid.any(-1)
+  n = jnp.maximum(st.leaf_valid.sum(-1), 1)
+  mean = jnp.where(st.leaf_valid, r, 0).sum(-1) / n
+  std = segment.segment_std(r, jnp.zeros(r.shape, jnp.int32), 1, st.leaf_valid, ddof=0)[:, 0]
+  n_trees = jnp.maximum(tree_ok.sum(), 1)
+  return {
+      "reward_mean": jnp.where(tree_ok, mean, 0).sum() / n_trees,
+      "zero_std_frac": jnp.where(tree_ok & (std <= segment.STD_FLOOR), 1.0, 0.0).sum() / n_trees,
+  }
+
+
+# ----------------------------------------------------------------------------
+# Dr.GRPO
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DrGRPOConfig:
+  reward_channels: tuple[str, ...] = ("outcome",)
+
+  def __post_init__(self):
+    _check_common(self.reward_channels, 0, 0.0)
+
+
+@register(AdvEstimator.DR_GRPO, DrGRPOConfig)
+def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
+  """A_k = R_k - mean_G R: no std normalisation (Dr.GRPO, "GRPO done right").
+
+  The other half of Dr.GRPO, a constant (not per-sequence) length
+  normaliser, is the loss aggregation `seq_mean_token_sum`.
+  """
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  a = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
+  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+
+
+# ----------------------------------------------------------------------------
+# DAPO
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DAPOConfig:
+  reward_channels: tuple[str, ...] = ("outcome",)
+  std_ddof: int = 1  # verl convention (see module docstring)
+  std_eps: float = 1e-6
+  overlong_shaping: bool = True  # DAPO "soft overlong punishment"
+  max_response_tokens: int = 20480  # DAPO L_max (16,384 expected + 4,096 buffer)
+  overlong_buffer_tokens: int = 4096  # DAPO L_cache
+  overlong_penalty: float = 1.0  # scale of the length penalty (DAPO: reward -1 at L_max)
+
+  def __post_init__(self):
+    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+    if not 0 < self.overlong_buffer_tokens <= self.max_response_tokens:
+      raise ValueError(
+          f"overlong_buffer_tokens={self.overlong_buffer_tokens} must be in"
+          f" (0, max_response_tokens={self.max_response_tokens}]"
+      )
+
+
+def overlong_penalty(
+    length: Float[Array, "B K"], max_tokens: int, buffer_tokens: int
+) -> Float[Array, "B K"]:
+  """DAPO's soft overlong punishment R_length(y).
+
+  0 for |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache inside the
+  buffer; -1 beyond L_max. |y| counts the policy tokens of the sequence.
+  """
+  free = max_tokens - buffer_tokens
+  inside = (free - length) / buffer_tokens
+  return jnp.where(length <= free, 0.0, jnp.where(length <= max_tokens, inside, -1.0))
+
+
+@register(AdvEstimator.DAPO, DAPOConfig)
+def dapo_advantages(batch: TreeBatch, config: DAPOConfig) -> Advantages:
+  """GRPO z-scores of R_k + R_length(y_k) (DAPO).
+
+  Clip-higher (eps_low 0.2, eps_high 0.28) and token-mean aggregation are
+  loss settings; dynamic sampling is `dapo_keep_mask`, applied to the groups
+  before they are batched.
+  """
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  if config.overlong_shaping:
+    length = st.path_policy_tokens.astype(jnp.float32)
+    r = r + config.overlong_penalty * jnp.where(
+        st.leaf_valid,
+        overlong_penalty(length, config.max_response_tokens, config.overlong_buffer_tokens), 0.0)
+  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
+  metrics = _group_metrics(r, st)
+  metrics["keep_frac"] = dapo_keep_mask(batch, config).mean()
+  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=metrics)
+
+
+def dapo_keep_mask(batch: TreeBatch, config: DAPOConfig | None = None) -> Bool[Array, "B"]:
+  """DAPO dynamic sampling: keep a group (tree) iff its rewards are not all
+  equal (0 < accuracy < 1 for binary rewards). Padding trees are dropped.
+
+  Uses the outcome channels only, before length shaping, as DAPO filters on
+  accuracy.
+  """
+  config = config or DAPOConfig()
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  ids = jnp.zeros(r.shape, jnp.int32)
+  hi = segment.segment_max(r, ids, 1, st.leaf_valid)[:, 0]
+  lo = segment.segment_min(r, ids, 1, st.leaf_valid)[:, 0]
+  return st.leaf_valid.any(-1) & (hi - lo > segment.STD_FLOOR)
+
+
+# ----------------------------------------------------------------------------
+# RLOO
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RLOOConfig:
+  reward_channels: tuple[str, ...] = ("outcome",)
+
+  def __post_init__(self):
+    _check_common(self.reward_channels, 0, 0.0)
+
+
+@register(AdvEstimator.RLOO, RLOOConfig)
+def rloo_advantages(batch: TreeBatch, config: RLOOConfig) -> Advantages:
+  """A_k = R_k - mean_{j != k} R_j = G/(G-1) * (R_k - mean R) (REINFORCE
+  leave-one-out, Ahmadian et al. 2024). 0 for a group of one."""
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  g = st.leaf_valid.sum(-1, keepdims=True).astype(jnp.float32)
+  centered = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
+  a = jnp.where(g > 1, centered * g / jnp.maximum(g - 1, 1.0), 0.0)
+  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+
+
+# ----------------------------------------------------------------------------
+# ARPO
+# ----------------------------------------------------------------------------
+
+
+class Attribution(str, enum.Enum):
+  SOFT = "soft"  # each sequence keeps its own advantage on shared tokens
+  HARD = "hard"  # a shared token gets the mean advantage of the leaves below it
+
+
+@dataclasses.dataclass(frozen=True)
+class ARPOConfig:
+  reward_channels: tuple[str, ...] = ("outcome",)
+  std_ddof: int = 1  # verl convention
+  std_eps: float = 1e-6
+  attribution: str = "soft"  # ARPO's default advantage attribution
+
+  def __post_init__(self):
+    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+    _check_choice("attribution", self.attribution, [a.value for a in Attribution])
+
+
+@register(AdvEstimator.ARPO, ARPOConfig)
+def arpo_advantages(batch: TreeBatch, config: ARPOConfig) -> Advantages:
+  """GRPO over every leaf of the tree (ARPO, Dong et al. 2025).
+
+  soft: shared-prefix tokens carry each sequence's own advantage (the loss
+  then sums the copies); hard: shared tokens get the mean of the advantages
+  of the leaves below them, so every copy agrees.
+  """
+  st = structure(batch)
+  r = batch.leaf_rewards(*config.reward_channels)
+  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
+  metrics = _group_metrics(r, st)
+  if config.attribution == Attribution.SOFT:
+    return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=metrics)
+  under = st.leaves_under.astype(jnp.float32)
+  node_mean = jnp.einsum("bnk,bk->bn", under, a) / jnp.maximum(under.sum(-1), 1.0)
+  return Advantages.from_node_values(st, node_mean, batch.tokens.shape, metrics=metrics)
