@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree
 
-TEST_BUCKETS = Buckets(tokens=(128,), nodes=(64,), leaves=(16,), path_tokens=(64,), trees=None)
+TEST_BUCKETS = Buckets(tokens=(256,), nodes=(128,), leaves=(16,), path_tokens=(64,), trees=None)
 VOCAB = 50
 
 OUTCOMES = (-1.0, 0.0, 1.0)
