@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from tests.strategies import TEST_BUCKETS, random_token_array
@@ -12,7 +13,7 @@ from tree_rl.algos import registry
 from tree_rl.tree import RolloutTree, pack
 
 
-def default_inputs(name, batch, seed: int = 0) -> dict[str, np.ndarray]:
+def default_inputs(name, batch, seed: int = 0) -> dict:
   """Extra per-token inputs an estimator needs (APPO: current logp, entropy)."""
   entry = registry.get(name)
   shape = batch.tokens.shape
@@ -25,7 +26,7 @@ def default_inputs(name, batch, seed: int = 0) -> dict[str, np.ndarray]:
       out[key] = random_token_array(seed + i, shape, 0.0, 3.0)
     else:
       raise KeyError(f"no default test input for {key!r}")
-  return out
+  return {k: jnp.asarray(v) for k, v in out.items()}
 
 
 def run(name, trees: Sequence[RolloutTree], config=None, inputs=None, buckets=TEST_BUCKETS):

@@ -80,7 +80,7 @@ def test_gather_and_exact_zero_for_ties():
 def _quadratic(x, gamma):
   t = x.shape[-1]
   i = np.arange(t)
-  decay = np.where(i[None, :] >= i[:, None], gamma ** (i[None, :] - i[:, None]), 0.0)
+  decay = np.where(i[None, :] >= i[:, None], gamma ** np.maximum(i[None, :] - i[:, None], 0), 0.0)
   return x @ decay.T
 
 

@@ -166,11 +166,13 @@ def dapo_advantages(batch: TreeBatch, config: DAPOConfig) -> Advantages:
         overlong_penalty(length, config.max_response_tokens, config.overlong_buffer_tokens), 0.0)
   a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
   metrics = _group_metrics(r, st)
-  metrics["keep_frac"] = dapo_keep_mask(batch, config).mean()
+  metrics["keep_frac"] = dapo_keep_mask(batch, config, st).mean()
   return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=metrics)
 
 
-def dapo_keep_mask(batch: TreeBatch, config: DAPOConfig | None = None) -> Bool[Array, "B"]:
+def dapo_keep_mask(
+    batch: TreeBatch, config: DAPOConfig | None = None, st: TreeStructure | None = None
+) -> Bool[Array, "B"]:
   """DAPO dynamic sampling: keep a group (tree) iff its rewards are not all
   equal (0 < accuracy < 1 for binary rewards). Padding trees are dropped.
 
@@ -178,7 +180,7 @@ def dapo_keep_mask(batch: TreeBatch, config: DAPOConfig | None = None) -> Bool[A
   accuracy.
   """
   config = config or DAPOConfig()
-  st = structure(batch)
+  st = st or structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)
   ids = jnp.zeros(r.shape, jnp.int32)
   hi = segment.segment_max(r, ids, 1, st.leaf_valid)[:, 0]

@@ -1,0 +1,254 @@
+"""Jitted advantage estimators against their pure-Python references.
+
+    python benchmarks/advantages.py [--trees 512] [--quick]
+
+Builds 512 PORTool-shaped trees (n=8, f=2, T_max=6, grown by Algorithm 1)
+and 512 APPO-shaped trees (N=4 initial rollouts of ~2k tokens, B=3 branches
+each), times every estimator after compilation against the slow reference
+kept in tests/algos/, and the reverse-scan future value against the O(L^2)
+decay-matrix form at L=4096. Prints one line per figure:
+
+    RATIO <name> <reference_time / kernel_time>
+
+Both sides are timed in this process, so the ratio is meaningful on a noisy
+shared machine; absolute times are printed for context only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tests.algos import ref_appo, ref_awpo, ref_baselines, ref_portool  # noqa: E402
+from tree_rl import algos  # noqa: E402
+from tree_rl.algos import registry  # noqa: E402
+from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree, pack  # noqa: E402
+from tree_rl.tree.segment import discounted_reverse_cumsum  # noqa: E402
+
+# ----------------------------------------------------------------------------
+# Tree shapes
+# ----------------------------------------------------------------------------
+
+
+def _policy(rng, tree, parent, n_tok, step=None):
+  toks = rng.integers(1, 1000, n_tok).tolist()
+  lps = (-rng.exponential(1.0, n_tok)).tolist()
+  fm = float(rng.choice([0.2, 0.45, 0.725, 1.0]))
+  return tree.add_node(parent, NodeKind.POLICY, toks, logprobs=lps, step=step,
+                       rewards={"format": fm})
+
+
+def portool_tree(rng, n=8, f=2, t_max=6, p_finish=0.3) -> RolloutTree:
+  """Algorithm 1 of PORTool: n independent first steps, then every unfinished
+  trajectory is duplicated f times and n - n_c copies are kept."""
+  finished_step = []
+
+  def new_step():
+    finished_step.append(bool(rng.random() < p_finish))
+    return len(finished_step) - 1
+
+  traj = [[new_step()] for _ in range(n)]
+  done = []
+  for _ in range(2, t_max + 1):
+    done += [t for t in traj if finished_step[t[-1]]]
+    traj = [t for t in traj if not finished_step[t[-1]]]
+    if len(done) == n:
+      break
+    pool = [t for t in traj for _ in range(f)]
+    keep = rng.choice(len(pool), n - len(done), replace=False)
+    traj = [pool[i] + [new_step()] for i in sorted(keep)]
+  done += traj
+
+  tree = RolloutTree.new(rng.integers(1, 1000, 128).tolist())
+  after = {(): 0}
+  for tr in done:
+    for t in range(len(tr)):
+      key = tuple(tr[: t + 1])
+      if key in after:
+        continue
+      pol = _policy(rng, tree, after[key[:-1]], int(rng.integers(32, 96)), step=t + 1)
+      if finished_step[tr[t]] and t == len(tr) - 1:
+        after[key] = pol
+      else:
+        env = rng.integers(1, 1000, int(rng.integers(16, 48))).tolist()
+        after[key] = tree.add_node(pol, NodeKind.ENV, env, step=t + 1)
+  for tr in done:
+    ok = finished_step[tr[-1]]
+    tree.add_leaf(after[tuple(tr)], {
+        "outcome": float(rng.choice([-1.0, 0.0, 1.0])) if ok else -1.0,
+        "reasoning": float(rng.choice([0.2, 0.6, 1.0]))}, truncated=not ok)
+  return tree
+
+
+def appo_tree(rng, n_init=4, n_branch=3, length=2048, prompt=64) -> RolloutTree:
+  """N initial rollouts of `length` tokens (a few tool-output spans inside),
+  B branches each resampled at random policy positions (paper convention: a
+  branch at p shares positions < p), each branch running to `length`."""
+  tree = RolloutTree.new(rng.integers(1, 1000, prompt).tolist())
+  leaves = []
+  for _ in range(n_init):
+    kinds = np.full(length, int(NodeKind.POLICY))
+    for start in rng.integers(64, length - 64, 3):
+      kinds[start:start + int(rng.integers(16, 48))] = int(NodeKind.ENV)
+    policy_pos = np.flatnonzero(kinds == int(NodeKind.POLICY))
+    cuts = sorted(int(c) for c in rng.choice(policy_pos[1:], n_branch, replace=False))
+    env_edges = (np.flatnonzero(np.diff(kinds) != 0) + 1).tolist()
+    bounds = sorted(set([0, length] + cuts + env_edges))
+    parent, hang = 0, {}
+    for a, b in zip(bounds[:-1], bounds[1:]):
+      hang[a] = parent
+      if kinds[a] == int(NodeKind.POLICY):
+        parent = _policy(rng, tree, parent, b - a)
+      else:
+        parent = tree.add_node(parent, NodeKind.ENV, rng.integers(1, 1000, b - a).tolist())
+    leaves.append((parent, LeafTag.INIT))
+    for c in cuts:
+      leaves.append((_policy(rng, tree, hang[c], length - c), LeafTag.BRANCH))
+  for node, tag in leaves:
+    tree.add_leaf(node, {"outcome": float(rng.random() < 0.5)}, tag=tag)
+  return tree
+
+
+# ----------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------
+
+
+def _time(fn, repeats):
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
+def bench_estimator(label, name, config, trees, batch, reference, inputs, repeats):
+  """`reference(canonical_trees, config)` computes the same advantages in Python."""
+  run = lambda: registry.compute_advantages(name, batch, config, **inputs).node_leaf
+  jax.block_until_ready(run())  # compile
+  kernel = _time(run, repeats)
+  canon = [t.canonical() for t in trees]
+  t0 = time.perf_counter()
+  reference(canon, config)
+  ref = time.perf_counter() - t0
+  print(f"# {label}: kernel {kernel * 1e3:.2f} ms, reference {ref:.2f} s", flush=True)
+  print(f"RATIO {label} {ref / kernel:.1f}", flush=True)
+
+
+def per_tree(reference):
+  return lambda trees, config: [reference(t, config) for t in trees]
+
+
+def appo_reference(logp):
+  """APPO's reference: A_base from tests/algos/ref_appo.py, and the future term
+  Omega by the O(L) reverse recursion in plain Python (the test reference uses
+  the O(L^2) definition, which is too slow for 2k-token rollouts)."""
+
+  def run(trees, config):
+    gamma = 2.0 ** (-1.0 / config.tau_half)
+    lo, hi = config.fut_clip
+    out = []
+    for b, tree in enumerate(trees):
+      base = ref_appo.reference(tree, config)
+      start, acc = [], 0
+      for node in tree.nodes:
+        start.append(acc)
+        acc += len(node.tokens)
+      scale = np.ones(acc)
+      for leaf in tree.leaves:
+        if leaf.tag != LeafTag.INIT:
+          continue
+        toks = [(start[n] + j, n, j) for n in tree.path(leaf.node)
+                for j in range(len(tree.nodes[n].tokens))]
+        s = 0.0
+        for t, n, j in reversed(toks):
+          node = tree.nodes[n]
+          x = float(logp[b, t]) - node.logprobs[j] if node.kind == NodeKind.POLICY else 0.0
+          s = x + gamma * s
+          if node.kind == NodeKind.POLICY:
+            om = np.exp(min(max(s, -20.0), 20.0))
+            scale[t] = 1.0 + config.b * min(max(om, lo), hi)
+      out.append((base, scale))
+    return out
+
+  return run
+
+
+def bench_omega(length, rows, repeats):
+  gamma = 2 ** (-1 / 32)
+  x = jnp.asarray(np.random.default_rng(0).normal(0, 0.05, (rows, length)), jnp.float32)
+
+  def quadratic(x):
+    i = jnp.arange(x.shape[-1])
+    decay = jnp.where(i[None, :] >= i[:, None],
+                      gamma ** (i[None, :] - i[:, None]).astype(jnp.float32), 0.0)
+    return x @ decay.T
+
+  scan = jax.jit(lambda x: discounted_reverse_cumsum(x, gamma))
+  quad = jax.jit(quadratic)
+  np.testing.assert_allclose(scan(x), quad(x), rtol=1e-3, atol=1e-3)
+  t_scan, t_quad = _time(lambda: scan(x), repeats), _time(lambda: quad(x), repeats)
+  m_scan = scan.lower(x).compile().memory_analysis()
+  m_quad = quad.lower(x).compile().memory_analysis()
+  print(f"# omega L={length} rows={rows}: scan {t_scan * 1e3:.2f} ms, O(L^2) {t_quad * 1e3:.2f} ms")
+  print(f"RATIO omega_scan_vs_quadratic_L{length} {t_quad / t_scan:.1f}")
+  if m_scan is not None and m_quad is not None:
+    ms = m_scan.temp_size_in_bytes + m_scan.output_size_in_bytes
+    mq = m_quad.temp_size_in_bytes + m_quad.output_size_in_bytes
+    print(f"# omega memory: scan {ms / 2**20:.1f} MiB, O(L^2) {mq / 2**20:.1f} MiB")
+    print(f"RATIO omega_memory_quadratic_over_scan_L{length} {mq / ms:.1f}")
+    # Linear in L: doubling L doubles the scan's memory.
+    x2 = jnp.concatenate([x, x], axis=-1)
+    m2 = scan.lower(x2).compile().memory_analysis()
+    ms2 = m2.temp_size_in_bytes + m2.output_size_in_bytes
+    print(f"# omega scan memory at 2L / at L: {ms2 / ms:.2f} (linear in L: 2.0)")
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--trees", type=int, default=512)
+  parser.add_argument("--rollout-tokens", type=int, default=2048)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--quick", action="store_true", help="32 trees, 256-token rollouts")
+  args = parser.parse_args()
+  if args.quick:
+    args.trees, args.rollout_tokens = 32, 256
+  print(f"# jax {jax.__version__} on {jax.devices()[0].platform}; {args.trees} trees per shape")
+  rng = np.random.default_rng(0)
+
+  pt = [portool_tree(rng) for _ in range(args.trees)]
+  pt_batch = pack(pt, Buckets(trees=None))
+  print(f"# portool-shaped batch {pt_batch.shape}")
+  refs = dict(ref_baselines.REFERENCES, portool=ref_portool.reference, awpo=ref_awpo.reference)
+  for name in ("grpo", "dr_grpo", "dapo", "rloo", "arpo", "tree_grpo", "tree_rpo", "portool",
+               "awpo"):
+    bench_estimator(f"{name}_portool_trees", name, registry.get(name).config_cls(), pt, pt_batch,
+                    per_tree(refs[name]), {}, args.repeats)
+
+  ap = [appo_tree(rng, length=args.rollout_tokens) for _ in range(args.trees)]
+  ap_batch = pack(ap, Buckets(trees=None))
+  print(f"# appo-shaped batch {ap_batch.shape}")
+  shape = ap_batch.tokens.shape
+  inputs = {"logp": ap_batch.behavior_logp + jnp.asarray(rng.normal(0, 0.05, shape), jnp.float32),
+            "entropy": jnp.asarray(rng.uniform(0, 3, shape), jnp.float32)}
+  cfg = algos.make_config("appo")
+  bench_estimator("appo_appo_trees", "appo", cfg, ap, ap_batch,
+                  appo_reference(np.asarray(inputs["logp"])), inputs, args.repeats)
+  for name in ("grpo", "tree_rpo"):
+    bench_estimator(f"{name}_appo_trees", name, registry.get(name).config_cls(), ap, ap_batch,
+                    per_tree(refs[name]), {}, args.repeats)
+
+  bench_omega(4096, 64, args.repeats)
+
+
+if __name__ == "__main__":
+  main()
