@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tree_rl.algos import registry
-from tree_rl.algos.registry import AdvEstimator, Advantages
+from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice
 from tree_rl.tree import derived, segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure
@@ -52,11 +52,6 @@ BS_STD_FLOOR = 1e-8
 BASE_ADV_MODES = ("literal", "avg_flowback", "code_sum")
 BS_MODES = ("bs", "entropy", "future")
 FIRST_MINIBATCH_FALLBACKS = ("entropy", "skip_branching")
-
-
-def _check_choice(name: str, value, valid: tuple[str, ...]) -> None:
-  if value not in valid:
-    raise ValueError(f"APPOConfig.{name}={value!r} is not valid; valid values: {list(valid)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +94,9 @@ class APPOConfig:
     object.__setattr__(self, "fut_clip", (lo, hi))
     if not math.isfinite(self.b) or self.b < 0:
       raise ValueError(f"APPOConfig.b must be finite and >= 0, got {self.b!r}")
-    _check_choice("base_adv_mode", self.base_adv_mode, BASE_ADV_MODES)
-    _check_choice("bs_mode", self.bs_mode, BS_MODES)
-    _check_choice("first_minibatch_fallback", self.first_minibatch_fallback,
+    check_choice("APPOConfig", "base_adv_mode", self.base_adv_mode, BASE_ADV_MODES)
+    check_choice("APPOConfig", "bs_mode", self.bs_mode, BS_MODES)
+    check_choice("APPOConfig", "first_minibatch_fallback", self.first_minibatch_fallback,
                   FIRST_MINIBATCH_FALLBACKS)
     if not isinstance(self.dual_group, bool):
       raise ValueError(f"APPOConfig.dual_group must be a bool, got {self.dual_group!r}")

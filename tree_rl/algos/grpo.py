@@ -17,22 +17,17 @@ import enum
 
 import jax.numpy as jnp
 
-from tree_rl.algos.registry import AdvEstimator, Advantages, register
+from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice, register
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure, structure
 from tree_rl.tree.types import Array, Bool, Float
 
 
-def _check_choice(name: str, value, valid) -> None:
-  if value not in valid:
-    raise ValueError(f"{name}={value!r} is not valid; choose one of {sorted(valid)}")
-
-
 def _check_common(reward_channels, std_ddof, std_eps) -> None:
   if not reward_channels:
     raise ValueError("reward_channels must name at least one leaf reward channel")
-  _check_choice("std_ddof", std_ddof, (0, 1))
+  check_choice("config", "std_ddof", std_ddof, (0, 1))
   if std_eps < 0:
     raise ValueError(f"std_eps={std_eps} must be >= 0")
 
@@ -232,7 +227,7 @@ class ARPOConfig:
 
   def __post_init__(self):
     _check_common(self.reward_channels, self.std_ddof, self.std_eps)
-    _check_choice("attribution", self.attribution, [a.value for a in Attribution])
+    check_choice("ARPOConfig", "attribution", self.attribution, [a.value for a in Attribution])
 
 
 @register(AdvEstimator.ARPO, ARPOConfig)

@@ -38,7 +38,7 @@ import dataclasses
 import flax.struct
 import jax.numpy as jnp
 
-from tree_rl.algos.registry import AdvEstimator, Advantages, register
+from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice, register
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure, structure
@@ -46,11 +46,6 @@ from tree_rl.tree.types import Array, Bool, Float, Int
 
 G_RULES = ("adaptive", "max", "avg", "mix2")
 OMEGA_MODES = ("theorem", "traj_only", "fork_only", "no_scale")
-
-
-def _check_choice(name: str, value, valid) -> None:
-  if value not in valid:
-    raise ValueError(f"PORToolConfig.{name}={value!r} is not valid; choose one of {list(valid)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +77,13 @@ class PORToolConfig:
       raise ValueError(f"PORToolConfig.gamma={self.gamma} must be in [0, 1] (spec §1)")
     if not self.fm_half_range >= 0.0:
       raise ValueError(f"PORToolConfig.fm_half_range={self.fm_half_range} must be >= 0")
-    _check_choice("g_rule", self.g_rule, G_RULES)
+    check_choice("PORToolConfig", "g_rule", self.g_rule, G_RULES)
     if not self.g_tie_tol >= 0.0:
       raise ValueError(f"PORToolConfig.g_tie_tol={self.g_tie_tol} must be >= 0")
-    _check_choice("std_ddof", self.std_ddof, (0, 1))
+    check_choice("PORToolConfig", "std_ddof", self.std_ddof, (0, 1))
     if not self.std_eps >= 0.0:
       raise ValueError(f"PORToolConfig.std_eps={self.std_eps} must be >= 0")
-    _check_choice("omega_mode", self.omega_mode, OMEGA_MODES)
+    check_choice("PORToolConfig", "omega_mode", self.omega_mode, OMEGA_MODES)
     for name in ("format_is_raw", "root_is_fork"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"PORToolConfig.{name}={getattr(self, name)!r} must be a bool")

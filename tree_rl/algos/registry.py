@@ -97,6 +97,12 @@ class Advantages:
                       leaf_mask=mask, **kw)
 
 
+def check_choice(owner: str, name: str, value, valid) -> None:
+  """Config validation: `owner.name` must be one of `valid` (listed in the error)."""
+  if value not in valid:
+    raise ValueError(f"{owner}.{name}={value!r} is not valid; choose one of {list(valid)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Registered:
   name: AdvEstimator

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tree_rl.tree import segment
 from tree_rl.tree.batch import PAD_KIND, TreeBatch
 from tree_rl.tree.types import Array, Bool, Float, Int, NodeKind
 
@@ -81,9 +80,17 @@ def structure(batch: TreeBatch) -> TreeStructure:
   under = jnp.swapaxes(leaf_rows & leaf_valid[:, :, None], 1, 2)  # [B, N, K]
   one_hot_parent = jax.nn.one_hot(batch.parent, n_nodes, dtype=jnp.int32)  # -1 -> zeros
   num_children = (one_hot_parent * node_valid[..., None]).sum(1)
-  node_tokens = segment.segment_count(batch.node_of_token, n_nodes).astype(jnp.int32)
-  node_policy_tokens = segment.segment_count(
-      batch.node_of_token, n_nodes, batch.loss_mask).astype(jnp.int32)
+  # Depth-first packing keeps every node's tokens contiguous and in node order,
+  # so node_of_token (padding mapped past the last node) is sorted and the
+  # token count of node n is the width of its run: two binary searches per
+  # node instead of a scatter over all L tokens; trained tokens per node are
+  # differences of the cumulative loss mask at the run boundaries.
+  key = jnp.where(batch.node_of_token >= 0, batch.node_of_token, n_nodes)
+  bounds = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(n_nodes + 1), side="left"))(key)
+  node_tokens = (bounds[:, 1:] - bounds[:, :-1]).astype(jnp.int32)
+  cum = jnp.pad(jnp.cumsum(batch.loss_mask, axis=1, dtype=jnp.int32), ((0, 0), (1, 0)))
+  at = jnp.take_along_axis(cum, bounds, axis=1)
+  node_policy_tokens = (at[:, 1:] - at[:, :-1]).astype(jnp.int32)
   path_policy_tokens = jnp.einsum("bnk,bn->bk", under.astype(jnp.int32), node_policy_tokens)
   return TreeStructure(
       node_valid=node_valid,
