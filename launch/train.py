@@ -10,7 +10,13 @@ import sys
 
 
 def main() -> int:
-  if importlib.util.find_spec("tree_rl.train") is None:
+  try:
+    spec = importlib.util.find_spec("tree_rl.train")
+  except ModuleNotFoundError:
+    print("tree_rl is not installed: run `pip install -e .` from the repository root.",
+          file=sys.stderr)
+    return 1
+  if spec is None:
     print(
         "tree_rl: the trainer (tree_rl.train.train_and_evaluate) is not yet available.\n"
         "Available now: rollout trees, TreeBatch packing and every advantage estimator\n"

@@ -33,23 +33,24 @@ def leaf_reward(tree, leaf, channels):
   return sum(leaf.rewards.get(c, 0.0) for c in channels)
 
 
-def per_leaf_matrix(tree: RolloutTree, adv) -> np.ndarray:
-  """node_leaf with each leaf's advantage on the policy nodes of its path."""
+def _matrix(tree: RolloutTree, value) -> np.ndarray:
+  """node_leaf with value(n, k) on the policy nodes of each leaf k's path."""
   out = np.zeros((len(tree.nodes), len(tree.leaves)))
   for k, path in enumerate(tree.leaf_paths()):
     for n in path:
       if tree.nodes[n].kind == NodeKind.POLICY:
-        out[n, k] = adv[k]
+        out[n, k] = value(n, k)
   return out
+
+
+def per_leaf_matrix(tree: RolloutTree, adv) -> np.ndarray:
+  """Each leaf's advantage on the policy nodes of its path."""
+  return _matrix(tree, lambda n, k: adv[k])
 
 
 def per_node_matrix(tree: RolloutTree, node_adv) -> np.ndarray:
-  out = np.zeros((len(tree.nodes), len(tree.leaves)))
-  for k, path in enumerate(tree.leaf_paths()):
-    for n in path:
-      if tree.nodes[n].kind == NodeKind.POLICY:
-        out[n, k] = node_adv[n]
-  return out
+  """One advantage per node, the same in every sequence through it."""
+  return _matrix(tree, lambda n, k: node_adv[n])
 
 
 def policy_length(tree, path):
