@@ -24,12 +24,32 @@ from tree_rl.tree.derived import TreeStructure, structure
 from tree_rl.tree.types import Array, Bool, Float
 
 
-def _check_common(reward_channels, std_ddof, std_eps) -> None:
-  if not reward_channels:
-    raise ValueError("reward_channels must name at least one leaf reward channel")
-  check_choice("config", "std_ddof", std_ddof, (0, 1))
-  if std_eps < 0:
-    raise ValueError(f"std_eps={std_eps} must be >= 0")
+@dataclasses.dataclass(frozen=True)
+class CenteredConfig:
+  """Shared fields of the estimators that only centre rewards (Dr.GRPO, RLOO)."""
+
+  reward_channels: tuple[str, ...] = ("outcome",)  # summed into the leaf reward
+
+  def __post_init__(self):
+    if not self.reward_channels:
+      raise ValueError(
+          f"{type(self).__name__}.reward_channels must name at least one leaf reward channel")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZScoreConfig(CenteredConfig):
+  """Shared fields of the z-scoring estimators (GRPO, DAPO, ARPO, Tree-GRPO,
+  TreeRPO). std_ddof: NOT STATED by any of these papers; verl computes the
+  std with torch.std, which is unbiased (ddof=1). std_eps: verl's epsilon."""
+
+  std_ddof: int = 1
+  std_eps: float = 1e-6
+
+  def __post_init__(self):
+    super().__post_init__()
+    check_choice(type(self).__name__, "std_ddof", self.std_ddof, (0, 1))
+    if self.std_eps < 0:
+      raise ValueError(f"{type(self).__name__}.std_eps={self.std_eps} must be >= 0")
 
 
 def tree_zscore(
@@ -48,13 +68,8 @@ def tree_zscore(
 
 
 @dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)  # summed into the leaf reward
-  std_ddof: int = 1  # NOT STATED in DeepSeekMath; verl's torch.std is unbiased
-  std_eps: float = 1e-6  # verl's epsilon
-
-  def __post_init__(self):
-    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+class GRPOConfig(ZScoreConfig):
+  """GRPO (DeepSeekMath): the shared z-score fields only."""
 
 
 @register(AdvEstimator.GRPO, GRPOConfig)
@@ -87,11 +102,8 @@ def _group_metrics(r: Float[Array, "B K"], st: TreeStructure) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class DrGRPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-
-  def __post_init__(self):
-    _check_common(self.reward_channels, 0, 0.0)
+class DrGRPOConfig(CenteredConfig):
+  """Dr.GRPO: rewards are centred, never divided by a std."""
 
 
 @register(AdvEstimator.DR_GRPO, DrGRPOConfig)
@@ -113,17 +125,14 @@ def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
 
 
 @dataclasses.dataclass(frozen=True)
-class DAPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-  std_ddof: int = 1  # verl convention (see module docstring)
-  std_eps: float = 1e-6
+class DAPOConfig(ZScoreConfig):
   overlong_shaping: bool = True  # DAPO "soft overlong punishment"
   max_response_tokens: int = 20480  # DAPO L_max (16,384 expected + 4,096 buffer)
   overlong_buffer_tokens: int = 4096  # DAPO L_cache
   overlong_penalty: float = 1.0  # scale of the length penalty (DAPO: reward -1 at L_max)
 
   def __post_init__(self):
-    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+    super().__post_init__()
     if not 0 < self.overlong_buffer_tokens <= self.max_response_tokens:
       raise ValueError(
           f"overlong_buffer_tokens={self.overlong_buffer_tokens} must be in"
@@ -189,11 +198,8 @@ def dapo_keep_mask(
 
 
 @dataclasses.dataclass(frozen=True)
-class RLOOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-
-  def __post_init__(self):
-    _check_common(self.reward_channels, 0, 0.0)
+class RLOOConfig(CenteredConfig):
+  """RLOO: a leave-one-out mean baseline, no std."""
 
 
 @register(AdvEstimator.RLOO, RLOOConfig)
@@ -219,14 +225,11 @@ class Attribution(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class ARPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-  std_ddof: int = 1  # verl convention
-  std_eps: float = 1e-6
+class ARPOConfig(ZScoreConfig):
   attribution: str = "soft"  # ARPO's default advantage attribution
 
   def __post_init__(self):
-    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+    super().__post_init__()
     check_choice("ARPOConfig", "attribution", self.attribution, [a.value for a in Attribution])
 
 

@@ -65,6 +65,16 @@ class Advantages:
   extras: dict[str, Array] = flax.struct.field(default_factory=dict)
 
   @staticmethod
+  def _on_paths(st, values, token_scale_shape, leaf_mask, **kw) -> "Advantages":
+    """`values` (broadcastable to [B, N, K]) on the policy nodes of each
+    trained leaf's path, 0 elsewhere; token_scale of ones."""
+    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
+    node_leaf = jnp.where(
+        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :], values, 0.0)
+    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
+                      leaf_mask=mask, **kw)
+
+  @staticmethod
   def from_leaf_values(
       st: TreeStructure,
       leaf_adv: Float[Array, "B K"],
@@ -73,12 +83,7 @@ class Advantages:
       **kw,
   ) -> "Advantages":
     """Each leaf's advantage on every policy node of its path."""
-    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
-    node_leaf = jnp.where(
-        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :],
-        leaf_adv[:, None, :], 0.0)
-    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
-                      leaf_mask=mask, **kw)
+    return Advantages._on_paths(st, leaf_adv[:, None, :], token_scale_shape, leaf_mask, **kw)
 
   @staticmethod
   def from_node_values(
@@ -89,12 +94,7 @@ class Advantages:
       **kw,
   ) -> "Advantages":
     """One advantage per policy node, the same in every sequence through it."""
-    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
-    node_leaf = jnp.where(
-        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :],
-        node_adv[:, :, None], 0.0)
-    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
-                      leaf_mask=mask, **kw)
+    return Advantages._on_paths(st, node_adv[:, :, None], token_scale_shape, leaf_mask, **kw)
 
 
 def check_choice(owner: str, name: str, value, valid) -> None:

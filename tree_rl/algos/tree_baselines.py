@@ -14,7 +14,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from tree_rl.algos.grpo import _check_common, _group_metrics, tree_zscore
+from tree_rl.algos.grpo import ZScoreConfig, _group_metrics, tree_zscore
 from tree_rl.algos.registry import AdvEstimator, Advantages, register
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
@@ -39,13 +39,8 @@ def _deepest_ancestor(st: TreeStructure, cond) -> Int[Array, "B N"]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeGRPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-  std_ddof: int = 1  # NOT STATED (specs/trace.md §6 item 8); verl convention
-  std_eps: float = 1e-6
-
-  def __post_init__(self):
-    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+class TreeGRPOConfig(ZScoreConfig):
+  """Tree-GRPO: the shared z-score fields (std type NOT STATED, specs/trace.md §6 item 8)."""
 
 
 @register(AdvEstimator.TREE_GRPO, TreeGRPOConfig)
@@ -79,13 +74,8 @@ def tree_grpo_advantages(batch: TreeBatch, config: TreeGRPOConfig) -> Advantages
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeRPOConfig:
-  reward_channels: tuple[str, ...] = ("outcome",)
-  std_ddof: int = 1  # NOT STATED; verl convention (specs/trace.md §6 item 7)
-  std_eps: float = 1e-6
-
-  def __post_init__(self):
-    _check_common(self.reward_channels, self.std_ddof, self.std_eps)
+class TreeRPOConfig(ZScoreConfig):
+  """TreeRPO: the shared z-score fields (std type NOT STATED, specs/trace.md §6 item 7)."""
 
 
 def backed_up_means(batch: TreeBatch, st: TreeStructure, leaf_r: Float[Array, "B K"]):
