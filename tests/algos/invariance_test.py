@@ -58,14 +58,15 @@ def test_finite_and_zero_on_padding(name):
     buckets = dataclasses.replace(S.TEST_BUCKETS, trees=(len(trees) + 2,))
     batch, adv = run(name, trees, buckets=buckets)
     nl = np.asarray(adv.node_leaf)
-    assert np.isfinite(nl).all() and np.isfinite(np.asarray(adv.token_scale)).all()
+    ts = np.asarray(adv.token_scale_or_ones(batch.tokens.shape))
+    assert np.isfinite(nl).all() and np.isfinite(ts).all()
     for m in adv.metrics.values():
       assert np.isfinite(np.asarray(m)).all()
     assert (nl[len(trees):] == 0).all()  # padding trees
     for b, t in enumerate(trees):
       assert (nl[b, len(t.nodes):] == 0).all() and (nl[b, :, len(t.leaves):] == 0).all()
       assert not np.asarray(adv.leaf_mask)[b, len(t.leaves):].any()
-    assert (np.asarray(adv.token_scale) > 0).all()
+    assert (ts > 0).all()
 
   check()
 

@@ -186,4 +186,4 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
   }
   extras = {"clip_eps": clip_eps, "gate": gate, "w": w, "d": d}
   return Advantages.from_leaf_values(
-      st, a_hyper, batch.tokens.shape, metrics=metrics, extras=extras)
+      st, a_hyper, metrics=metrics, extras=extras)

@@ -81,7 +81,7 @@ def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
   st = structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)
   a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
-  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
 
 
 def _group_metrics(r: Float[Array, "B K"], st: TreeStructure) -> dict:
@@ -116,7 +116,7 @@ def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
   st = structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)
   a = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
-  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
 
 
 # ----------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def dapo_advantages(batch: TreeBatch, config: DAPOConfig) -> Advantages:
   a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
   metrics = _group_metrics(r, st)
   metrics["keep_frac"] = dapo_keep_mask(batch, config, st).mean()
-  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=metrics)
+  return Advantages.from_leaf_values(st, a, metrics=metrics)
 
 
 def dapo_keep_mask(
@@ -211,7 +211,7 @@ def rloo_advantages(batch: TreeBatch, config: RLOOConfig) -> Advantages:
   g = st.leaf_valid.sum(-1, keepdims=True).astype(jnp.float32)
   centered = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
   a = jnp.where(g > 1, centered * g / jnp.maximum(g - 1, 1.0), 0.0)
-  return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=_group_metrics(r, st))
+  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
 
 
 # ----------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def arpo_advantages(batch: TreeBatch, config: ARPOConfig) -> Advantages:
   a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
   metrics = _group_metrics(r, st)
   if config.attribution == Attribution.SOFT:
-    return Advantages.from_leaf_values(st, a, batch.tokens.shape, metrics=metrics)
+    return Advantages.from_leaf_values(st, a, metrics=metrics)
   under = st.leaves_under.astype(jnp.float32)
   node_mean = jnp.einsum("bnk,bk->bn", under, a) / jnp.maximum(under.sum(-1), 1.0)
-  return Advantages.from_node_values(st, node_mean, batch.tokens.shape, metrics=metrics)
+  return Advantages.from_node_values(st, node_mean, metrics=metrics)

@@ -258,7 +258,7 @@ def portool_kernel(
 
   Returns:
     Advantages with node_leaf [B, N, K] (0 off-path, on prompt/env nodes and
-    padding), token_scale = 1, leaf_mask = valid leaves, extras
+    padding), token_scale None (ones), leaf_mask = valid leaves, extras
     "trajectory_term" [B, N, K] (omega_1 mean A_trj), "fork_term" [B, N, K]
     (omega_2 A_fork), "omega2" [B, N, K] (the omega_2 applied), "fork_adv"
     [B, N] (A_fork, unscaled), and scalar metrics.
@@ -301,8 +301,7 @@ def portool_kernel(
   metrics = _metrics(st, sp, r_out, use_max, omega2, fork_mask)
   extras = {"trajectory_term": traj_term, "fork_term": fork_term, "omega2": omega2,
             "fork_adv": jnp.where(sp.fork_child, a_fork, 0.0)}
-  return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(batch.tokens.shape),
-                    leaf_mask=st.leaf_valid, metrics=metrics, extras=extras)
+  return Advantages(node_leaf=node_leaf, leaf_mask=st.leaf_valid, metrics=metrics, extras=extras)
 
 
 @register(AdvEstimator.PORTOOL, PORToolConfig)

@@ -14,8 +14,9 @@ the leaves of a tree gives a shared prefix a different advantage in each
 sequence it belongs to, and PORTool's Theorem 3.1 weight omega_2 depends on
 the sequence (|tau_j|). Methods whose advantage is a per-node value
 (TreeRPO) broadcast it over the leaves below. `token_scale` is a positive
-per-token multiplier (APPO's 1 + b * A_fut, ones elsewhere), and `leaf_mask`
-says which sequences are trained (APPO: the initial rollouts only).
+per-token multiplier (APPO's 1 + b * A_fut); it is None for every other
+method, meaning all ones, so cheap estimators never write an `[B, L]` array.
+`leaf_mask` says which sequences are trained (APPO: the initial rollouts only).
 """
 
 from __future__ import annotations
@@ -57,44 +58,45 @@ class AdvEstimator(str, enum.Enum):
 @flax.struct.dataclass
 class Advantages:
   node_leaf: Float[Array, "B N K"]
-  token_scale: Float[Array, "B L"]
   leaf_mask: Bool[Array, "B K"]
+  token_scale: Float[Array, "B L"] | None = None  # None: all ones
   metrics: dict[str, Float[Array, ""]] = flax.struct.field(default_factory=dict)
   # Method-specific arrays the loss or the logs need (PORTool's trajectory and
   # fork parts for the two-term surrogate, AWPO's batch clip radius).
   extras: dict[str, Array] = flax.struct.field(default_factory=dict)
 
   @staticmethod
-  def _on_paths(st, values, token_scale_shape, leaf_mask, **kw) -> "Advantages":
+  def _on_paths(st, values, leaf_mask, **kw) -> "Advantages":
     """`values` (broadcastable to [B, N, K]) on the policy nodes of each
-    trained leaf's path, 0 elsewhere; token_scale of ones."""
+    trained leaf's path, 0 elsewhere."""
     mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
     node_leaf = jnp.where(
         st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :], values, 0.0)
-    return Advantages(node_leaf=node_leaf, token_scale=jnp.ones(token_scale_shape),
-                      leaf_mask=mask, **kw)
+    return Advantages(node_leaf=node_leaf, leaf_mask=mask, **kw)
+
+  def token_scale_or_ones(self, shape: tuple[int, int]) -> Float[Array, "B L"]:
+    """`token_scale` as an array (ones when the method has none)."""
+    return jnp.ones(shape) if self.token_scale is None else self.token_scale
 
   @staticmethod
   def from_leaf_values(
       st: TreeStructure,
       leaf_adv: Float[Array, "B K"],
-      token_scale_shape: tuple[int, int],
       leaf_mask: Bool[Array, "B K"] | None = None,
       **kw,
   ) -> "Advantages":
     """Each leaf's advantage on every policy node of its path."""
-    return Advantages._on_paths(st, leaf_adv[:, None, :], token_scale_shape, leaf_mask, **kw)
+    return Advantages._on_paths(st, leaf_adv[:, None, :], leaf_mask, **kw)
 
   @staticmethod
   def from_node_values(
       st: TreeStructure,
       node_adv: Float[Array, "B N"],
-      token_scale_shape: tuple[int, int],
       leaf_mask: Bool[Array, "B K"] | None = None,
       **kw,
   ) -> "Advantages":
     """One advantage per policy node, the same in every sequence through it."""
-    return Advantages._on_paths(st, node_adv[:, :, None], token_scale_shape, leaf_mask, **kw)
+    return Advantages._on_paths(st, node_adv[:, :, None], leaf_mask, **kw)
 
 
 def check_choice(owner: str, name: str, value, valid) -> None:

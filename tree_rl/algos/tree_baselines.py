@@ -64,7 +64,7 @@ def tree_grpo_advantages(batch: TreeBatch, config: TreeGRPOConfig) -> Advantages
                                  eps=config.std_eps)
   inter = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
   return Advantages.from_leaf_values(
-      st, intra + inter, batch.tokens.shape, metrics=_group_metrics(r, st),
+      st, intra + inter, metrics=_group_metrics(r, st),
       extras={"intra": intra, "inter": inter})
 
 
@@ -118,5 +118,5 @@ def tree_rpo_advantages(batch: TreeBatch, config: TreeRPOConfig) -> Advantages:
   tree_ok = st.node_valid.any(-1)
   n_groups = (st.num_children >= 2).sum(-1)
   metrics["groups_per_tree"] = jnp.where(tree_ok, n_groups, 0).sum() / jnp.maximum(tree_ok.sum(), 1)
-  return Advantages.from_node_values(st, node_adv, batch.tokens.shape, metrics=metrics,
+  return Advantages.from_node_values(st, node_adv, metrics=metrics,
                                      extras={"backed_up": r_node})

@@ -88,7 +88,9 @@ def structure(batch: TreeBatch) -> TreeStructure:
   key = jnp.where(batch.node_of_token >= 0, batch.node_of_token, n_nodes)
   bounds = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(n_nodes + 1), side="left"))(key)
   node_tokens = (bounds[:, 1:] - bounds[:, :-1]).astype(jnp.int32)
-  cum = jnp.pad(jnp.cumsum(batch.loss_mask, axis=1, dtype=jnp.int32), ((0, 0), (1, 0)))
+  # associative_scan: about 2x faster than jnp.cumsum's reduce-window on CPU.
+  cum = lax.associative_scan(jnp.add, batch.loss_mask.astype(jnp.int32), axis=1)
+  cum = jnp.pad(cum, ((0, 0), (1, 0)))
   at = jnp.take_along_axis(cum, bounds, axis=1)
   node_policy_tokens = (at[:, 1:] - at[:, :-1]).astype(jnp.int32)
   path_policy_tokens = jnp.einsum("bnk,bn->bk", under.astype(jnp.int32), node_policy_tokens)
