@@ -19,7 +19,7 @@ from hypothesis import strategies as hst
 from tests.algos import harness, ref_appo
 from tests.strategies import TEST_BUCKETS, appo_tree, general_tree
 from tree_rl.algos import appo, registry
-from tree_rl.tree import LeafTag, NodeKind, RolloutTree, pack
+from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree, derived, pack
 
 APPO = registry.AdvEstimator.APPO
 BUCKETS = dataclasses.replace(TEST_BUCKETS, trees=(4,))
@@ -30,6 +30,8 @@ _score = jax.jit(appo.branching_score, static_argnames=("config",))
 _select = jax.jit(appo.select_branch_points,
                   static_argnames=("num_branches", "require_both_positive"))
 _zscores = jax.jit(appo.dual_group_zscores, static_argnames=("config",))
+_bounds = jax.jit(appo._node_bounds, static_argnums=1)
+_policy_tokens = jax.jit(appo._node_policy_tokens)
 
 # One compile per config for the whole module: the fixture and the random
 # trees share these configs and the padded shapes.
@@ -277,9 +279,13 @@ def test_fixture_first_minibatch(fixture):
   np.testing.assert_array_equal(np.asarray(score.bs), np.asarray(score.z_ent))
   assert (_points(score, True)[0, names["H1"]] - len(PROMPT)).tolist() == [5, 1]
   assert (_points(score, True)[0, names["H2"]] - len(PROMPT)).tolist() == [2, 4]
+  m = appo.branching_metrics(score, DEFAULT)  # the fallback of every rollout is logged
+  assert float(m["fallback_frac"]) == 1.0
+  assert float(m["bs_both_positive_frac"]) == 0.0
+  m = appo.branching_metrics(_score(batch, logp, entropy, skip), DEFAULT)
+  assert float(m["fallback_frac"]) == 1.0  # rollouts skipped for the fallback still count
+  assert float(m["bs_both_positive_frac"]) == 0.0  # no branch point at all
   adv = _run(batch, DEFAULT, logp, entropy)
-  assert float(adv.metrics["fallback_frac"]) == 1.0
-  assert float(adv.metrics["bs_both_positive_frac"]) == 0.0
   # A = 1.5 A_base (E1): Omega == 1 on every model token of H1 and H2.
   ts = np.asarray(adv.token_scale[0])
   for h in ("H1", "H2"):
@@ -372,8 +378,11 @@ def test_fixture_final_advantage_and_metrics(fixture):
   omegas = [OMEGA[h][p] for h in ("H1", "H2") for p in MODEL_POS[h]]
   assert m["omega_mean"] == pytest.approx(np.mean(omegas), abs=1e-5)
   assert m["fut_clip_frac"] == pytest.approx(3 / 12)  # H1@6, H2@0, H2@5 are below 1
-  assert m["fallback_frac"] == 0.0
-  assert m["bs_both_positive_frac"] == 1.0  # strict picks {1, 5} and {2, 4}
+  # The Branching Score logs come with the score, not with the estimator.
+  assert "fallback_frac" not in m and "bs_both_positive_frac" not in m
+  bm = appo.branching_metrics(_score(batch, logp, entropy, DEFAULT), FIX_CONFIG)
+  assert float(bm["fallback_frac"]) == 0.0
+  assert float(bm["bs_both_positive_frac"]) == 1.0  # strict picks {1, 5} and {2, 4}
   assert m["z_init_zero_std_rate"] == 0.0 and m["z_branch_zero_std_rate"] == 0.0
   assert m["coverage_mean"] == pytest.approx(10 / 12)  # §9.4 coverage counts
   assert m["reward_mean_init"] == pytest.approx(0.5)
@@ -408,12 +417,25 @@ def _decay_matrix_omega(x, gamma):
   return np.exp(np.clip(decay @ np.asarray(x, np.float64), -20.0, 20.0))
 
 
-def test_future_value_matches_decay_matrix():
+def _check_node_layout(batch):
+  """Packed node boundaries and loss-mask counts agree with derived.structure."""
+  st = derived.structure(batch)
+  bounds = _bounds(batch.node_of_token, batch.parent.shape[1])
+  np.testing.assert_array_equal(np.diff(np.asarray(bounds), axis=1), st.node_tokens)
+  np.testing.assert_array_equal(_policy_tokens(batch, bounds), st.node_policy_tokens)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_future_value_matches_decay_matrix(exact):
+  """`exact` packs to the longest tree: L is then not a multiple of the scan block."""
   config = DEFAULT
   rng = np.random.default_rng(0)
+  lengths = []
   for _ in range(4):
     trees = [_chain_tree(rng, rng.integers(1, 4)) for _ in range(N_TREES)]
-    batch = pack(trees, BUCKETS)
+    batch = pack(trees, Buckets.exact() if exact else BUCKETS)
+    lengths.append(batch.tokens.shape[1])
+    _check_node_layout(batch)
     behav = np.asarray(batch.behavior_logp)
     logp = (behav + rng.uniform(-0.5, 0.5, behav.shape)).astype(np.float32)
     omega = np.asarray(_future(batch, logp, config))
@@ -427,6 +449,7 @@ def test_future_value_matches_decay_matrix():
         exclusive = np.array([len(tree.leaves) == 1 or n != 0 for _, n in path])
         np.testing.assert_allclose(omega[b, idx][exclusive], want[exclusive], rtol=2e-5)
         np.testing.assert_array_equal(omega[b, idx][~exclusive], 1.0)  # shared prompt
+  assert not exact or any(l % appo.SCAN_BLOCK for l in lengths)
 
 
 @pytest.mark.parametrize("log_rho", [2.0, -2.0])
@@ -442,6 +465,41 @@ def test_future_value_clamps_log_sum(log_rho):
   np.testing.assert_allclose(omega, want, rtol=2e-5)
   assert omega[0] == pytest.approx(math.exp(20.0 * np.sign(log_rho)), rel=1e-5)
   assert np.isfinite(omega).all()
+
+
+def _few_leaves(tree):
+  return len(tree.leaves) <= TEST_BUCKETS.leaves[-1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(trees=hst.lists(hst.one_of(appo_tree(), general_tree().filter(_few_leaves)), min_size=1,
+                       max_size=N_TREES),
+       seed=hst.integers(0, 2**31 - 1))
+def test_future_value_matches_reference(trees, seed):
+  """Omega on the packed layout vs the O(L^2) definition along every INIT path.
+
+  Arbitrary tagged trees (INIT leaves sharing nodes, branch-only subtrees
+  between INIT nodes) included: a token on exactly one INIT path gets that
+  path's Omega, every other token exactly 1.
+  """
+  canon = [t.canonical() for t in trees]
+  batch = pack(canon, BUCKETS)
+  behav = np.asarray(batch.behavior_logp)
+  rng = np.random.default_rng(seed)
+  logp = (behav + rng.uniform(-0.3, 0.3, behav.shape)).astype(np.float32)
+  omega = np.asarray(_future(batch, logp, DEFAULT))
+  _check_node_layout(batch)
+  for b, tree in enumerate(canon):
+    t = tree.num_tokens()
+    want, paths = np.ones(t), np.zeros(t, int)
+    for k, om in ref_appo.reference_omega(tree, DEFAULT, logp[b]).items():
+      idx = [i for i, _ in _path(tree, k)]
+      want[idx] = om
+      paths[idx] += 1
+    np.testing.assert_allclose(omega[b, :t][paths == 1], want[paths == 1], rtol=2e-5)
+    np.testing.assert_array_equal(omega[b, :t][paths != 1], 1.0)
+    np.testing.assert_array_equal(omega[b, t:], 1.0)  # padding tokens
+  np.testing.assert_array_equal(omega[len(canon):], 1.0)  # padding trees
 
 
 # ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from tree_rl.algos import registry
@@ -128,17 +129,24 @@ class BranchingScore(NamedTuple):
 
   Index [b, k, p] is position p of leaf k's root-to-leaf sequence (prompt
   included); rows of non-INIT leaves and invalid positions are all 0/False.
+  `fell_back` is per rollout, `[B, K]`.
   """
 
   bs: Float[Array, "B K P"]  # Branching Score (Eq. 5, or its ablation / fallback)
   z_fut: Float[Array, "B K P"]  # Z(clip(Omega, c_lo, c_hi); H_n)
   z_ent: Float[Array, "B K P"]  # Z(ent; H_n)
   valid: Bool[Array, "B K P"]  # candidate branch positions
+  fell_back: Bool[Array, "B K"]  # clip(Omega) had ~zero std: the §2.4 item 5 fallback applied
 
 
 # ----------------------------------------------------------------------------
 # Future value (Eq. 4)
 # ----------------------------------------------------------------------------
+
+# Width W of the token blocks of the two-level scan in `_future_tokens`: the
+# in-block part is one [., W] x [W, W] matmul, the carry between blocks a
+# scan with factor gamma^W over the L / W block totals.
+SCAN_BLOCK = 32
 
 
 def _init_leaves(batch: TreeBatch, st: TreeStructure) -> Bool[Array, "B K"]:
@@ -150,10 +158,14 @@ def _init_path_log_future(
 ) -> tuple[Int[Array, "B K P"], Float[Array, "B K P"]]:
   """Packed index and clamped log-Omega of every position of every INIT path.
 
-  x_i = log rho_i = logp_i - behavior_logp_i on policy tokens and 0 on prompt
-  and env tokens, which still age the discount (distances count raw positions,
-  spec §2.3 / A9). S_i = x_i + gamma S_{i+1} is one reverse scan per path;
-  the zero padding past a path's end leaves S unchanged.
+  The per-rollout form the Branching Score needs (its z-scores run over
+  `[B, K, P]` rows): every INIT path is gathered with
+  `derived.path_token_index` and scanned, S_i = x_i + gamma S_{i+1}; the
+  zero padding past a path's end leaves S unchanged. x_i = log rho_i on
+  policy tokens and 0 on prompt and env tokens, which still age the discount
+  (distances count raw positions, spec §2.3 / A9). On the tokens of exactly
+  one INIT path it equals `_future_tokens` (both are tested against the
+  O(L^2) definition in tests/algos/ref_appo.py).
   """
   k = batch.leaf_node.shape[1]
   leaf_ids = jnp.where(_init_leaves(batch, st), jnp.arange(k)[None, :], -1)
@@ -164,24 +176,203 @@ def _init_path_log_future(
   return idx, jnp.clip(s, -LOG_FUTURE_CLAMP, LOG_FUTURE_CLAMP)
 
 
-def _exclusive_init_tokens(
-    batch: TreeBatch, st: TreeStructure, is_init: Bool[Array, "B K"]
-) -> Bool[Array, "B L"]:
-  """Tokens on exactly one INIT leaf's path (every non-root token of a valid tree)."""
-  per_node = (st.leaves_under & is_init[:, None, :]).sum(-1)  # [B, N]
-  node = jnp.maximum(batch.node_of_token, 0)
-  per_tok = jnp.take_along_axis(per_node, node, axis=1)
-  return (per_tok == 1) & (batch.node_of_token >= 0)
+def _block_rows(v: Array, idx: Int[Array, "B M"], width: int) -> tuple[Array, Int[Array, "B M"]]:
+  """The `width`-token block of `v [B, L']` holding packed index idx, and idx's offset in it.
+
+  idx = L' (one past the end) maps to the last block at offset `width`.
+  """
+  b, lp = v.shape
+  blk = jnp.minimum(idx // width, lp // width - 1)
+  rows = jnp.take_along_axis(v.reshape(b, lp // width, width), blk[:, :, None], axis=1)
+  return rows, idx - blk * width
 
 
-def _scatter_paths(values: Float[Array, "B K P"], idx: Int[Array, "B K P"], l: int
-                   ) -> Float[Array, "B L"]:
-  """Sums path values back onto packed tokens (index -1 is dropped)."""
-  b = values.shape[0]
-  flat_idx = jnp.where(idx >= 0, idx, l).reshape(b, -1)  # l is out of range -> dropped
-  flat_val = values.reshape(b, -1)
-  return jax.vmap(lambda v, i: jnp.zeros((l,), v.dtype).at[i].add(v, mode="drop"))(
-      flat_val, flat_idx)
+def _node_bounds(node_of_token: Int[Array, "B L"], n_nodes: int) -> Int[Array, "B M"]:
+  """`[B, N + 1]`: bounds[b, i] is the packed index of node i's first token.
+
+  Node i owns the packed tokens [bounds[i], bounds[i + 1]) (depth-first
+  packing keeps a node's tokens contiguous and in node order, padding last),
+  so bounds[i] counts the tokens of nodes < i. Searched on the first token
+  of every SCAN_BLOCK-token block, then counted inside the one block where
+  node i starts: nothing of size L is written or carried through a loop.
+  """
+  width = SCAN_BLOCK
+  b, l = node_of_token.shape
+  nb = -(-l // width)
+  if nb * width != l:
+    node_of_token = jnp.pad(node_of_token, ((0, 0), (0, nb * width - l)), constant_values=-1)
+  key = lambda v: jnp.where(v >= 0, v, n_nodes)  # padding sorts last
+  want = jnp.arange(n_nodes + 1, dtype=jnp.int32)
+  heads = key(node_of_token[:, ::width])  # [B, J]
+  n_heads = jax.vmap(lambda h: jnp.searchsorted(h, want, side="left"))(heads)  # heads < i
+  blk = jnp.maximum(n_heads - 1, 0)  # node i starts in this block (if n_heads > 0)
+  rows, _ = _block_rows(node_of_token, blk * width, width)
+  inside = (key(rows) < want[None, :, None]).sum(-1, dtype=jnp.int32)
+  return jnp.where(n_heads > 0, blk * width + inside, 0).astype(jnp.int32)
+
+
+def _node_to_tokens(values: Array, node_of_token: Int[Array, "B L"]) -> Array:
+  """`[B, L]` values[b, node_of_token[b, t]] of a `[B, N]` table (padding reads node 0)."""
+  return jnp.take_along_axis(values, jnp.maximum(node_of_token, 0), axis=1)
+
+
+def _suffix_at(
+    x: Float[Array, "B J W"], after: Float[Array, "B J"], idx: Int[Array, "B M"], log_gamma: float
+) -> Float[Array, "B M"]:
+  """G_i = sum_{t >= i} gamma^(t - i) x_t at packed indices idx (0 at the end).
+
+  `after[b, j]` is G at the first token of block j + 1 (0 after the last).
+  """
+  b, nb, width = x.shape
+  rows, off = _block_rows(x.reshape(b, nb * width), idx, width)
+  d = jnp.arange(width)[None, None, :] - off[:, :, None]
+  inside = jnp.where(d >= 0, jnp.exp(jnp.maximum(d, 0) * log_gamma) * rows, 0.0).sum(-1)
+  carry = jnp.take_along_axis(after, jnp.minimum(idx // width, nb - 1), axis=1)
+  return jnp.where(idx < nb * width, inside + jnp.exp((width - off) * log_gamma) * carry, 0.0)
+
+
+def _block_carry(totals: Float[Array, "B J"], width: int, log_gamma: float) -> Float[Array, "B J"]:
+  """G at the first token of the next block, from the blocks' in-block sums.
+
+  G at block j's start is totals_j + gamma^W G at block j + 1's: a reverse
+  scan over the L / W blocks, as a log-depth associative scan of the affine
+  maps s -> a s + c (a sequential scan would take L / W dependent steps).
+  The factors are <= gamma^W = 2^(-W / tau_half), so round-off does not
+  build up.
+  """
+  decay = jnp.full(totals.shape, math.exp(width * log_gamma), totals.dtype)
+  # (a1, c1) after (a2, c2) in scan order: the nearer block is applied last.
+  compose = lambda far, near: (far[0] * near[0], near[1] + near[0] * far[1])
+  _, starts = lax.associative_scan(compose, (decay, totals), reverse=True, axis=1)
+  return jnp.pad(starts[:, 1:], ((0, 0), (0, 1)))
+
+
+def _in_block_scan(x: Float[Array, "B J W"], log_gamma: float) -> Float[Array, "B J W"]:
+  """sum_{c' >= c} gamma^(c' - c) x[b, j, c'] within every W-token block.
+
+  One matmul with D[c', c] = gamma^(c' - c) [c' >= c]: O(W) work per token,
+  float32 throughout (HIGHEST: no reduced-precision passes on accelerators).
+  """
+  b, nb, width = x.shape
+  c = np.arange(width)
+  dmat = np.where(c[:, None] >= c[None, :], np.exp(np.maximum(c[:, None] - c[None, :], 0)
+                                                   * log_gamma), 0.0).astype(np.float32)
+  return jnp.dot(x.reshape(b * nb, width), dmat,
+                 precision=lax.Precision.HIGHEST).reshape(b, nb, width)
+
+
+class _Future(NamedTuple):
+  """`_future_tokens` output."""
+
+  omega: Float[Array, "B L"]  # Omega on exclusive tokens, exactly 1 elsewhere
+  exclusive: Bool[Array, "B L"]  # token on exactly one INIT leaf's path
+  init_count: Int[Array, "B N"]  # INIT leaves whose path passes through each node
+  bounds: Int[Array, "B M"]  # [B, N + 1] packed node boundaries (`_node_bounds`)
+
+
+def _future_tokens(
+    batch: TreeBatch, st: TreeStructure, logp: Float[Array, "B L"], config: APPOConfig
+) -> _Future:
+  """Omega of every token, O(L) on the packed layout (no path gather).
+
+  Omega is defined (and not 1) on the exclusive tokens, those on exactly one
+  INIT leaf's path. For such a token t of node n (packed tokens [a_n, e_n),
+  sequence positions [p_n, q_n)) the suffix of Eq. 4 splits into node n's
+  own tokens and the nodes m strictly below n that are on the same path,
+  which are the exclusive nodes below n with an INIT leaf under them (branch-
+  only nodes do not count):
+
+    S_t = sum_{t <= t' < e_n} gamma^(t' - t) x_t' + gamma^(e_n - t) Tail_n
+    Tail_n = sum_{m below n on the path} gamma^(p_m - q_n) E_m,  E_m = S of m's own tokens at a_m
+
+  With G the discounted suffix sum of the whole packed row, across node
+  boundaries, node n's own part is G_t - gamma^(e_n - t) G_{e_n}, so
+  S_t = G_t + gamma^(e_n - t) Q_n with Q_n = Tail_n - G_{e_n}. That second
+  term is itself the reverse scan of impulses at the nodes' last tokens, so
+  S = scan(x + z). The scan is blocked: with the value S takes at the next
+  block's first token added as one more impulse at each block's last token,
+  S is the in-block scan (`_in_block_scan`) of x + z. Those carries, and G at
+  the node boundaries, come from the blocks' totals (`_block_carry`). So the
+  tokens see one reduction and one matmul; the rest is `[B, N, N]` work per
+  node pair and `[B, L / W]` per block. x is zeroed off the exclusive tokens
+  first: they never enter an exclusive token's sum (what lies below an
+  exclusive node on its path is exclusive too), and this keeps branch
+  tokens' log-ratios out of the round-off of the rollouts' sums. Decays are
+  exp(distance * log gamma) of distances >= 0, in float32.
+  """
+  b, l = batch.tokens.shape
+  n = batch.parent.shape[1]
+  width = SCAN_BLOCK
+  lg = -math.log(2.0) / config.tau_half  # log gamma
+  nb = -(-l // width)
+  lp = nb * width
+
+  init_count = (st.leaves_under & _init_leaves(batch, st)[:, None, :]).sum(-1)
+  exclusive = (_node_to_tokens(init_count == 1, batch.node_of_token)
+               & (batch.node_of_token >= 0))
+  x = jnp.where(batch.loss_mask & exclusive, logp - batch.behavior_logp, 0.0)
+  x = x.astype(jnp.float32)
+  if lp != l:
+    x = jnp.pad(x, ((0, 0), (0, lp - l)))
+
+  # G at every node boundary, from the block totals.
+  to_start = np.exp(np.arange(width) * lg).astype(np.float32)  # gamma^offset
+  totals = (x.reshape(b, nb, width) * to_start).sum(-1)
+  after = _block_carry(totals, width, lg)
+  bounds = _node_bounds(batch.node_of_token, n)
+  first, end = bounds[:, :-1], bounds[:, 1:]
+  size = end - first
+  g_first = _suffix_at(x.reshape(b, nb, width), after, first, lg)
+  g_end = _suffix_at(x.reshape(b, nb, width), after, end, lg)
+  own = g_first - jnp.exp(size * lg) * g_end  # E_n (0 for an empty node)
+  p_first = jnp.take_along_axis(batch.positions, jnp.minimum(first, l - 1), axis=1)
+  p_end = p_first + size
+
+  # Tail_n over [b, n, m]: m strictly below n with an INIT leaf under it.
+  below = (jnp.swapaxes(st.ancestor, 1, 2) & ~jnp.eye(n, dtype=bool)[None]
+           & (init_count > 0)[:, None, :])
+  gap = jnp.maximum(p_first[:, None, :] - p_end[:, :, None], 0)
+  tail = jnp.einsum("bnm,bm->bn", jnp.where(below, jnp.exp(gap * lg), 0.0), own,
+                    precision=lax.Precision.HIGHEST)
+  q = jnp.where(init_count == 1, tail - g_end, 0.0)
+
+  # Impulse z = gamma (Q_n - R) at node n's last token, R = gamma^|m| Q_m the
+  # correction the scan carries in from the node m owning the next token.
+  nxt = jnp.take_along_axis(batch.node_of_token, jnp.minimum(end, l - 1), axis=1)
+  carried = jnp.take_along_axis(q * jnp.exp(size * lg), jnp.maximum(nxt, 0), axis=1)
+  z = math.exp(lg) * (q - jnp.where((end < l) & (nxt >= 0), carried, 0.0))
+  z = jnp.where(size > 0, z, 0.0)
+  last = jnp.clip(end - 1, 0, lp - 1)  # node n's last token (z = 0 for an empty node)
+
+  # Carries of x + z: its block totals add z to the totals of x.
+  rows = jnp.arange(b)[:, None]
+  totals = totals.at[rows, last // width].add(z * jnp.take(to_start, last % width))
+  carry = math.exp(lg) * _block_carry(totals, width, lg)  # gamma S at the next block's start
+  ends = jnp.broadcast_to(jnp.arange(nb) * width + width - 1, (b, nb))
+  x = x.at[rows, jnp.concatenate([last, ends], axis=1)].add(jnp.concatenate([z, carry], axis=1))
+  s = _in_block_scan(x.reshape(b, nb, width), lg).reshape(b, lp)[:, :l]
+  log_fut = jnp.clip(s, -LOG_FUTURE_CLAMP, LOG_FUTURE_CLAMP)
+  return _Future(jnp.exp(jnp.where(exclusive, log_fut, 0.0)), exclusive, init_count, bounds)
+
+
+def _node_policy_tokens(batch: TreeBatch, bounds: Int[Array, "B M"]) -> Int[Array, "B N"]:
+  """Loss-mask tokens of every node (`TreeStructure.node_policy_tokens`).
+
+  Counts at the node boundaries are whole blocks before plus a partial
+  block, so no `[B, L]` cumulative sum is written.
+  """
+  width = SCAN_BLOCK
+  m = batch.loss_mask
+  b, l = m.shape
+  nb = -(-l // width)
+  if nb * width != l:
+    m = jnp.pad(m, ((0, 0), (0, nb * width - l)))
+  blocks = m.reshape(b, nb, width).sum(-1, dtype=jnp.int32)
+  before = lax.associative_scan(jnp.add, blocks, axis=1) - blocks  # (XLA:CPU's cumsum is quadratic)
+  rows, off = _block_rows(m, bounds, width)
+  part = (rows & (jnp.arange(width)[None, None, :] < off[:, :, None])).sum(-1, dtype=jnp.int32)
+  at = jnp.take_along_axis(before, jnp.minimum(bounds // width, nb - 1), axis=1) + part
+  return at[:, 1:] - at[:, :-1]
 
 
 def future_value(
@@ -197,9 +388,10 @@ def future_value(
 
   The sum runs along the root-to-leaf sequence of the INIT leaf through the
   token, to its end, across turns; env tokens contribute 0 but count in the
-  distance i' - i (spec §2.3). Each INIT path is gathered to `[B, K, P]` with
-  `derived.path_token_index` (whose token-to-path masks are `[B, L, K]`),
-  scanned once and scattered back; nothing is `[B, L, L]` or `[B, L, N]`.
+  distance i' - i (spec §2.3). Computed in O(L) on the packed layout
+  (`_future_tokens`): a blocked reverse scan over the packed tokens plus
+  `[B, N, N]` per-node work; nothing is `[B, L, K]`, `[B, K, P]` or
+  `[B, L, L]`.
 
   Args:
     batch: packed trees (`[B, L]` tokens).
@@ -213,10 +405,7 @@ def future_value(
     every other token (shared prompt, branch-only tokens, padding).
   """
   st = derived.structure(batch) if st is None else st
-  idx, log_fut = _init_path_log_future(batch, st, logp, config)
-  excl = _exclusive_init_tokens(batch, st, _init_leaves(batch, st))
-  log_tok = _scatter_paths(log_fut, idx, batch.tokens.shape[1])
-  return jnp.exp(jnp.where(excl, log_tok, 0.0))
+  return _future_tokens(batch, st, logp, config).omega
 
 
 # ----------------------------------------------------------------------------
@@ -254,8 +443,8 @@ def _branching_paths(
     entropy: Float[Array, "B L"],
     config: APPOConfig,
     token_mask: Bool[Array, "B L"] | None,
-) -> tuple[BranchingScore, Bool[Array, "B K"]]:
-  """BranchingScore plus the per-rollout first-minibatch fallback flag."""
+) -> BranchingScore:
+  """BranchingScore of the gathered INIT paths (`_init_path_log_future`)."""
   cand = batch.loss_mask if token_mask is None else batch.loss_mask & token_mask
   valid = derived.gather_tokens(cand, idx, False) & (idx >= 0)
   lo, hi = config.fut_clip
@@ -281,7 +470,7 @@ def _branching_paths(
     bs = jnp.where(fb, 0.0, bs)
     valid = valid & ~fb
   zero = lambda x: jnp.where(valid, x, 0.0)
-  return BranchingScore(zero(bs), zero(z_fut), zero(z_ent), valid), fell_back
+  return BranchingScore(zero(bs), zero(z_fut), zero(z_ent), valid, fell_back)
 
 
 def branching_score(
@@ -316,12 +505,13 @@ def branching_score(
 
   Returns:
     BranchingScore of `[B, K, P]` arrays indexed by (tree, leaf, position in
-    the leaf's root-to-leaf sequence); all zero/False off INIT rows.
+    the leaf's root-to-leaf sequence), all zero/False off INIT rows, and the
+    `[B, K]` fallback flags. `branching_metrics` turns it into the spec §4.2
+    Branching Score logs.
   """
   st = derived.structure(batch) if st is None else st
   idx, log_fut = _init_path_log_future(batch, st, logp, config)
-  out, _ = _branching_paths(batch, idx, log_fut, entropy, config, token_mask)
-  return out
+  return _branching_paths(batch, idx, log_fut, entropy, config, token_mask)
 
 
 def select_branch_points(
@@ -360,6 +550,44 @@ def select_branch_points(
   from_weak = jnp.take_along_axis(top_weak, jnp.clip(src - n_strong, 0, kk - 1), axis=-1)
   pos = jnp.where(src < n_strong, from_strong, from_weak)
   return jnp.where(n_valid > 0, pos, -1).astype(jnp.int32)
+
+
+def _safe_mean(x, mask, weight=None) -> Float[Array, ""]:
+  """Mean of x over mask (optionally weighted); 0 when the mask is empty."""
+  w = mask.astype(jnp.float32) * (1.0 if weight is None else weight)
+  return ((x * w).sum() / jnp.maximum(w.sum(), 1e-9)).astype(jnp.float32)
+
+
+def branching_metrics(score: BranchingScore, config: APPOConfig) -> dict[str, Float[Array, ""]]:
+  """The spec §4.2 Branching Score logs, for the rollout strategy that branches.
+
+  They need the per-rollout `[B, K, P]` score, so they live here and not in
+  the registered estimator (whose future value never gathers the paths):
+
+    fallback_frac: share of the initial rollouts with a candidate position
+      whose clip(Omega) had ~zero std, so that the first-minibatch fallback
+      (spec §2.4 item 5) applied.
+    bs_both_positive_frac (only when config.num_branches > 0): share of the
+      top-B branch points (`select_branch_points` with
+      config.bs_require_both_positive) with Z(clip Omega) > 0 and Z(ent) > 0.
+
+  Args:
+    score: `branching_score(...)` output (with the strategy's token_mask).
+    config: num_branches and bs_require_both_positive.
+
+  Returns:
+    Scalar float32 metrics by name.
+  """
+  has_valid = score.valid.any(-1) | score.fell_back
+  metrics = {"fallback_frac": _safe_mean(score.fell_back, has_valid)}
+  if config.num_branches > 0:
+    points = select_branch_points(score.bs, score.z_fut, score.z_ent, score.valid,
+                                  config.num_branches, config.bs_require_both_positive)
+    picked = jnp.maximum(points, 0)
+    both = (jnp.take_along_axis(score.z_fut, picked, -1) > 0) & (
+        jnp.take_along_axis(score.z_ent, picked, -1) > 0)
+    metrics["bs_both_positive_frac"] = _safe_mean(both, points >= 0)
+  return metrics
 
 
 # ----------------------------------------------------------------------------
@@ -473,10 +701,16 @@ def _base_advantages(batch, st, config, g: _Groups) -> Float[Array, "B N K"]:
 # ----------------------------------------------------------------------------
 
 
-def _safe_mean(x, mask, weight=None) -> Float[Array, ""]:
-  """Mean of x over mask (optionally weighted); 0 when the mask is empty."""
-  w = mask.astype(jnp.float32) * (1.0 if weight is None else weight)
-  return ((x * w).sum() / jnp.maximum(w.sum(), 1e-9)).astype(jnp.float32)
+def _token_sums(*values: Array) -> list[Array]:
+  """Totals of `[B, L]` token arrays, in one pass over the tokens.
+
+  One multi-operand reduction over each row, then a sum of the `[B]` row
+  totals: XLA:CPU fuses the elementwise producers of a variadic reduce (for
+  a lone masked sum it writes the masked `[B, L]` operand out first).
+  """
+  init = tuple(jnp.zeros((), v.dtype) for v in values)
+  rows = lax.reduce(values, init, lambda a, b: tuple(x + y for x, y in zip(a, b)), (1,))
+  return [row.sum() for row in rows]
 
 
 @registry.register(AdvEstimator.APPO, APPOConfig, inputs=("logp", "entropy"))
@@ -493,63 +727,60 @@ def appo_advantages(
 
   Only the INIT rollouts are trained (`leaf_mask`); branches enter through the
   dual-group statistics and, for `avg_flowback`/`code_sum`, through the
-  coverage of the prefix they share. `entropy` feeds the Branching Score
-  logs; the branch points themselves are chosen by the rollout strategy with
-  `branching_score` and `select_branch_points`.
+  coverage of the prefix they share. Omega comes from the O(L) packed-layout
+  scan of `future_value`. The branch points are chosen by the rollout
+  strategy with `branching_score` and `select_branch_points`, and their logs
+  (fallback_frac, bs_both_positive_frac) come from `branching_metrics`;
+  `entropy` feeds only those, so this kernel does not read it (it stays an
+  input so that every APPO caller passes the same arrays).
 
   Args:
     batch: packed APPO trees (leaf_tag INIT / BRANCH).
     config: APPOConfig.
     logp: `[B, L]` log-probs of the sampled tokens under the current
       mini-batch policy pi_theta (behavior_logp holds pi_old's).
-    entropy: `[B, L]` current-policy token entropies.
+    entropy: `[B, L]` current-policy token entropies (unused here, see above).
 
   Returns:
     Advantages with node_leaf `[B, N, K]` = A_base on INIT paths (0 for
     BRANCH leaves), token_scale `[B, L]` = 1 + b * A_fut on the INIT paths'
     policy tokens (stop-gradient; 1 elsewhere), leaf_mask = INIT leaves, the
-    spec §4.2 LOG metrics, and extras["omega"] `[B, L]`.
+    spec §4.2 LOG metrics other than the Branching Score ones, and
+    extras["omega"] `[B, L]`.
   """
+  del entropy  # Branching Score logs: `branching_metrics`
   st = derived.structure(batch)
   is_init = _init_leaves(batch, st)
   is_branch = st.leaf_valid & (batch.leaf_tag == int(LeafTag.BRANCH))
   g = _groups(batch, st, config)
   node_leaf = _base_advantages(batch, st, config, g)
 
-  idx, log_fut = _init_path_log_future(batch, st, logp, config)
-  excl = _exclusive_init_tokens(batch, st, is_init)
-  omega = jnp.exp(jnp.where(excl, _scatter_paths(log_fut, idx, batch.tokens.shape[1]), 0.0))
-  omega = lax.stop_gradient(omega)  # A_fut is a constant weight (spec §2.8)
+  fut = _future_tokens(batch, st, logp, config)
+  omega = lax.stop_gradient(fut.omega)  # A_fut is a constant weight (spec §2.8)
   lo, hi = config.fut_clip
-  scaled = excl & batch.loss_mask
+  scaled = fut.exclusive & batch.loss_mask
   token_scale = jnp.where(scaled, 1.0 + config.b * jnp.clip(omega, lo, hi), 1.0)
 
-  # --- spec §4.2 LOG metrics --------------------------------------------------
-  score, fell_back = _branching_paths(batch, idx, log_fut, entropy, config, None)
-  has_valid = score.valid.any(-1) | fell_back
+  # --- spec §4.2 LOG metrics (Branching Score ones: `branching_metrics`) ------
   tree_has_init = g.n_init > 0
   tree_has_branch = g.n_branch > 0
   n_cov, _ = _coverage(st, is_branch, g.z_branch)
-  on_init = (st.leaves_under & is_init[:, None, :]).any(-1) & st.is_policy  # [B, N]
+  on_init = (fut.init_count > 0) & st.is_policy  # [B, N]
+  policy_tokens = _node_policy_tokens(batch, fut.bounds)
+  n_scaled = jnp.maximum(jnp.where(fut.init_count == 1, policy_tokens, 0).sum(), 1)
+  omega_sum, n_outside = _token_sums(
+      jnp.where(scaled, omega, 0.0), (((omega < lo) | (omega > hi)) & scaled).astype(jnp.int32))
   r = batch.leaf_rewards(config.outcome_channel)
   metrics = {
-      "omega_mean": _safe_mean(omega, scaled),
-      "fut_clip_frac": _safe_mean((omega < lo) | (omega > hi), scaled),
-      "fallback_frac": _safe_mean(fell_back, has_valid),
+      "omega_mean": omega_sum / n_scaled,
+      "fut_clip_frac": n_outside / n_scaled,
       "z_init_zero_std_rate": _safe_mean(g.init_flat, tree_has_init),
       "z_branch_zero_std_rate": _safe_mean(g.branch_flat, tree_has_branch),
       # mean |S(n, i)| over the policy tokens of the initial rollouts
-      "coverage_mean": _safe_mean(n_cov, on_init, weight=st.node_policy_tokens),
+      "coverage_mean": _safe_mean(n_cov, on_init, weight=policy_tokens),
       "reward_mean_init": _safe_mean(r, is_init),
       "reward_mean_branch": _safe_mean(r, is_branch),
   }
-  if config.num_branches > 0:
-    points = select_branch_points(score.bs, score.z_fut, score.z_ent, score.valid,
-                                  config.num_branches, config.bs_require_both_positive)
-    picked = jnp.maximum(points, 0)
-    both = (jnp.take_along_axis(score.z_fut, picked, -1) > 0) & (
-        jnp.take_along_axis(score.z_ent, picked, -1) > 0)
-    metrics["bs_both_positive_frac"] = _safe_mean(both, points >= 0)
   metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
   return Advantages(node_leaf=node_leaf, token_scale=token_scale, leaf_mask=is_init,
                     metrics=metrics, extras={"omega": omega})
