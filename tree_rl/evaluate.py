@@ -1,0 +1,237 @@
+"""Evaluation harness: runs a policy on a task family and reports PORTool's metrics.
+
+The metrics are PORTool's four (specs/portool.md §5) plus pass@k and a per-difficulty split:
+
+  - accuracy: fraction of episodes counted correct (by the verifier, or by the judge's
+    majority vote when one is given);
+  - avg_tool_steps: mean number of steps with at least one tool call (capped by max_turns);
+  - unanswerable_rate: fraction of episodes without an answer, truncated ones included;
+  - avg_formatting_raw: mean of the raw [0, 1] formatting rubric over every step of every
+    episode (the scale the paper reports);
+  - mean_reward: mean outcome reward, on the family's (or the judge's) scale;
+  - pass@k: the unbiased estimator 1 - C(n - c, k) / C(n, k) of Chen et al. (2021),
+    averaged over tasks, with n = num_samples and c the task's correct samples;
+  - accuracy/difficulty_<d>: accuracy over the tasks of difficulty d.
+
+`replay_oracle_policy` replays each task's oracle, so `evaluate(family, tasks,
+replay_oracle_policy(tasks))` must give accuracy 1: a self-check of a family's tools,
+verifier and oracles, and of this harness.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+
+from tree_rl.envs.base import Message, Task
+from tree_rl.envs.episode import EpisodeRecord, Family, Policy, run_episodes
+from tree_rl.rewards.judge import LLMJudge
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeSummary:
+  """The per-episode line of a report."""
+
+  task_id: str
+  sample: int
+  correct: bool
+  reward: float
+  steps: int  # assistant steps taken
+  truncated: bool
+  answered: bool
+  difficulty: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalReport:
+  """Metrics and per-episode summaries of one evaluation.
+
+  Attributes:
+    metrics: name -> value (see the module docstring; judge/* counters when judged).
+    episodes: one summary per episode, ordered by (task, sample).
+    records: the full episodes (not serialised; empty for a report read from JSON).
+  """
+
+  metrics: dict[str, float]
+  episodes: tuple[EpisodeSummary, ...]
+  records: tuple[EpisodeRecord, ...] = ()
+
+  def to_json(self, path: str) -> None:
+    """Writes {"metrics": ..., "episodes": [...]} to `path` as indented JSON."""
+    payload = {"metrics": self.metrics,
+               "episodes": [dataclasses.asdict(e) for e in self.episodes]}
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(payload, f, indent=2, sort_keys=False)
+      f.write("\n")
+
+  @classmethod
+  def from_json(cls, path: str) -> EvalReport:
+    """Reads a report written by `to_json` (without the full records)."""
+    with open(path, encoding="utf-8") as f:
+      payload = json.load(f)
+    return cls(metrics={k: float(v) for k, v in payload["metrics"].items()},
+               episodes=tuple(EpisodeSummary(**e) for e in payload["episodes"]))
+
+  def table(self) -> str:
+    """The metrics as an aligned two-column text table, one metric per line."""
+    rows = [(name, _format_value(name, value)) for name, value in self.metrics.items()]
+    width = max([len("metric")] + [len(name) for name, _ in rows])
+    value_width = max([len("value")] + [len(v) for _, v in rows])
+    lines = [f"{'metric':<{width}}  {'value':>{value_width}}",
+             f"{'-' * width}  {'-' * value_width}"]
+    lines += [f"{name:<{width}}  {value:>{value_width}}" for name, value in rows]
+    return "\n".join(lines)
+
+
+def _format_value(name: str, value: float) -> str:
+  """Counts (num_*, judge/* counters) as integers, rates and means with 4 decimals."""
+  is_count = name.startswith("num_") or (name.startswith("judge/") and not name.endswith("_s"))
+  return str(int(value)) if is_count and float(value).is_integer() else f"{value:.4f}"
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased pass@k estimate of one task: 1 - C(n - c, k) / C(n, k).
+
+  Args:
+    n: samples drawn; c: correct samples among them; k: the k of pass@k (k <= n).
+  """
+  if not 0 <= c <= n or not 1 <= k <= n:
+    raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+  if n - c < k:  # every k-subset holds a correct sample
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _mean(values: Iterable[float]) -> float:
+  values = list(values)
+  return sum(values) / len(values) if values else 0.0
+
+
+def compute_metrics(records: Sequence[EpisodeRecord], num_samples: int,
+                    pass_k: Sequence[int] = (1,)) -> dict[str, float]:
+  """The report's metrics of finished episodes (see the module docstring).
+
+  Args:
+    records: every episode, `num_samples` per task.
+    num_samples: samples per task (n of pass@k).
+    pass_k: the k values; each must be in [1, num_samples].
+  """
+  by_task: dict[str, list[EpisodeRecord]] = collections.defaultdict(list)
+  for r in records:
+    by_task[r.task.task_id].append(r)
+  metrics = {
+      "accuracy": _mean(float(r.outcome.correct) for r in records),
+      "avg_tool_steps": _mean(r.num_tool_steps for r in records),
+      # The family decides what counts as an answer: a truncated tool-world
+      # episode is unanswered, but BFCL's single step *is* its answer even
+      # though it ends at the turn limit.
+      "unanswerable_rate": _mean(float(not r.outcome.answered) for r in records),
+      "avg_formatting_raw": _mean(s.formatting_raw for r in records for s in r.steps),
+      "mean_reward": _mean(r.outcome.reward for r in records),
+      "truncated_rate": _mean(float(r.truncated) for r in records),
+  }
+  for k in pass_k:
+    metrics[f"pass@{k}"] = _mean(
+        pass_at_k(len(rs), sum(r.outcome.correct for r in rs), k) for rs in by_task.values())
+  metrics["num_tasks"] = float(len(by_task))
+  metrics["num_episodes"] = float(len(records))
+  by_difficulty: dict[int, list[EpisodeRecord]] = collections.defaultdict(list)
+  for r in records:
+    by_difficulty[r.task.difficulty].append(r)
+  for d in sorted(by_difficulty):
+    metrics[f"accuracy/difficulty_{d}"] = _mean(float(r.outcome.correct)
+                                                 for r in by_difficulty[d])
+  return metrics
+
+
+def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_samples: int = 1,
+             pass_k: Sequence[int] = (1,), judge: LLMJudge | None = None,
+             max_turns: int | None = None, max_workers: int = 8) -> EvalReport:
+  """Runs `num_samples` episodes per task and reports accuracy, tool steps, unanswerable
+  rate, formatting, reward, pass@k and per-difficulty accuracy.
+
+  Args:
+    family: the task family.
+    tasks: the evaluation tasks (task ids must be unique).
+    policy: the batched policy (see `run_episodes`).
+    num_samples: episodes per task.
+    pass_k: the k values of pass@k, each in [1, num_samples].
+    judge: score outcomes with this judge (its judge/* counters join the metrics).
+    max_turns: None uses `family.max_turns`.
+    max_workers: parallel tool execution and judging.
+
+  Returns:
+    The report.
+  """
+  bad_k = [k for k in pass_k if not 1 <= k <= num_samples]
+  if bad_k:
+    raise ValueError(f"pass@k needs 1 <= k <= num_samples={num_samples}, got k={bad_k}")
+  ids = [t.task_id for t in tasks]
+  if len(set(ids)) != len(ids):
+    raise ValueError("task ids must be unique within an evaluation")
+  records = run_episodes(family, tasks, policy, num_samples=num_samples, max_turns=max_turns,
+                         judge=judge, max_workers=max_workers)
+  metrics = compute_metrics(records, num_samples, pass_k)
+  if judge is not None:
+    metrics.update(judge.metrics())
+  episodes = tuple(EpisodeSummary(task_id=r.task.task_id, sample=r.sample_index,
+                                  correct=bool(r.outcome.correct),
+                                  reward=float(r.outcome.reward), steps=len(r.steps),
+                                  truncated=r.truncated, answered=bool(r.outcome.answered),
+                                  difficulty=r.task.difficulty) for r in records)
+  return EvalReport(metrics=metrics, episodes=episodes, records=tuple(records))
+
+
+def _prompt_key(messages: Sequence[Message]) -> str:
+  return json.dumps(list(messages), sort_keys=True, ensure_ascii=False, default=str)
+
+
+def replay_oracle_policy(tasks: Sequence[Task]) -> Policy:
+  """A policy that replays each task's oracle assistant messages, one per turn.
+
+  A conversation is matched to the task whose prompt messages start it and whose
+  oracle messages equal what followed so far. Tasks may share a prompt (the tool
+  world asks the same question at different dates and places): their oracles
+  then agree until a tool reply tells them apart.
+
+  Args:
+    tasks: the tasks whose oracles to replay.
+
+  Returns:
+    The batched policy. It raises ValueError for a conversation of no known task, one
+    that left every matching oracle (the replay disagrees with the tools), or one
+    whose matching oracles want different next steps.
+  """
+  by_prompt: dict[str, list[Task]] = collections.defaultdict(list)
+  for task in tasks:
+    by_prompt[_prompt_key(task.messages)].append(task)
+  lengths = sorted({len(t.messages) for t in tasks}, reverse=True)
+
+  def next_step(conversation: Sequence[Message]) -> str:
+    for n in lengths:
+      candidates = by_prompt.get(_prompt_key(conversation[:n]))
+      if candidates:
+        break
+    else:
+      raise ValueError("replay_oracle_policy: the conversation's prompt matches no task")
+    done = [(m.get("role"), m.get("content")) for m in conversation[n:]]
+    steps = set()
+    for task in candidates:
+      oracle = [(m.get("role"), m.get("content")) for m in task.oracle]
+      if oracle[:len(done)] != done:
+        continue
+      nxt = next((c for r, c in oracle[len(done):] if r == "assistant"), None)
+      if nxt is not None:
+        steps.add(nxt)
+    if len(steps) != 1:
+      raise ValueError(f"replay_oracle_policy: {len(steps)} oracle steps fit a conversation "
+                       f"after {len(done)} messages (expected exactly 1)")
+    return steps.pop()
+
+  def policy(conversations: Sequence[Sequence[Message]]) -> list[str]:
+    return [next_step(c) for c in conversations]
+
+  return policy
