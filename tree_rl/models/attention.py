@@ -203,3 +203,24 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
   if config.impl == "dense":
     return dense_attention(q, k, v, tree)
   return blockwise_attention(q, k, v, tree, config.block, config.max_kv_blocks)
+
+
+def cached_attention(
+    q: Float[Array, "R T H Dh"], k_cache: Float[Array, "R S Hk Dh"],
+    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "R T"],
+) -> Float[Array, "R T H Dh"]:
+  """Attention of new tokens over a per-row KV cache (the sampler's path).
+
+  Row r holds one linear context in cache slots 0..; the query at slot
+  `q_slot[r, t]` sees slots 0..q_slot[r, t] (its own key included, which the
+  caller wrote before calling). Numerics follow `dense_attention`.
+  """
+  s_len = k_cache.shape[1]
+  mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [R, T, S]
+  qg = _grouped(q, k_cache.shape[2])
+  s = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache, preferred_element_type=jnp.float32)
+  s = s / math.sqrt(q.shape[-1])
+  s = jnp.where(mask[:, None, None], s, _NEG)
+  p = jax.nn.softmax(s, axis=-1)
+  out = jnp.einsum("rkgts,rskd->rtkgd", p.astype(v_cache.dtype), v_cache)
+  return out.reshape(q.shape)

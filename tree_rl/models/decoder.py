@@ -17,11 +17,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+import flax.struct
 from jax import lax
 
-from tree_rl.models.attention import AttentionConfig, TreeMask, attention
+from tree_rl.models.attention import AttentionConfig, TreeMask, attention, cached_attention
 from tree_rl.models.config import LoRAConfig, ModelConfig
 from tree_rl.tree.types import Array, Float, Int
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Keys and values of every layer for R rows of up to S slots (the sampler's state).
+
+  Row r holds one linear context: slot s has the key/value of its token at
+  position s. Which rows hold what is the sampler's bookkeeping, not the cache's.
+  """
+
+  k: Float[Array, "Ly R S Hk Dh"]
+  v: Float[Array, "Ly R S Hk Dh"]
+
+  @staticmethod
+  def zeros(config: ModelConfig, rows: int, slots: int, dtype=None) -> "KVCache":
+    c = config
+    shape = (c.num_hidden_layers, rows, slots, c.num_key_value_heads, c.head_dim)
+    dt = jnp.dtype(dtype or c.dtype)
+    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+  @property
+  def rows(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def slots(self) -> int:
+    return self.k.shape[2]
 
 
 class LoRAParam(nnx.Param):
@@ -123,32 +151,41 @@ class Decoder(nnx.Module):
       w[f"{name}_lora_b"] = getattr(self, f"{name}_lora_b").get_value()
     return w
 
-  def _block(self, x, w, positions, tree: TreeMask):
-    c, dt = self.config, x.dtype
-    scale = self.lora.scale if self.lora is not None else 0.0
+  def _proj(self, name: str, h: Array, w: dict[str, Array]) -> Array:
+    dt = h.dtype
+    y = h @ w[name].astype(dt)
+    if f"{name}_lora_a" in w:
+      scale = self.lora.scale if self.lora is not None else 0.0
+      y = y + ((h @ w[f"{name}_lora_a"].astype(dt)) @ w[f"{name}_lora_b"].astype(dt)) * scale
+    if f"{name[0]}_bias" in w and name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+      y = y + w[f"{name[0]}_bias"].astype(dt)
+    return y
 
-    def proj(name, h):
-      y = h @ w[name].astype(dt)
-      if f"{name}_lora_a" in w:
-        y = y + ((h @ w[f"{name}_lora_a"].astype(dt)) @ w[f"{name}_lora_b"].astype(dt)) * scale
-      if f"{name[0]}_bias" in w and name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        y = y + w[f"{name[0]}_bias"].astype(dt)
-      return y
-
+  def _qkv(self, x, w, positions):
+    """Queries, keys and values of one layer, RoPE applied at `positions`."""
+    c = self.config
     b, l, _ = x.shape
     h = rms_norm(x, w["input_norm"], c.rms_norm_eps)
-    q = proj("q_proj", h).reshape(b, l, c.num_attention_heads, c.head_dim)
-    k = proj("k_proj", h).reshape(b, l, c.num_key_value_heads, c.head_dim)
-    v = proj("v_proj", h).reshape(b, l, c.num_key_value_heads, c.head_dim)
+    q = self._proj("q_proj", h, w).reshape(b, l, c.num_attention_heads, c.head_dim)
+    k = self._proj("k_proj", h, w).reshape(b, l, c.num_key_value_heads, c.head_dim)
+    v = self._proj("v_proj", h, w).reshape(b, l, c.num_key_value_heads, c.head_dim)
     if c.qk_norm:
       q = rms_norm(q, w["q_norm"], c.rms_norm_eps)
       k = rms_norm(k, w["k_norm"], c.rms_norm_eps)
-    q, k = rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq)
-    a = attention(q, k, v, tree, self.attention_config).reshape(b, l, -1)
-    x = x + proj("o_proj", a)
+    return rope(q, positions, self.inv_freq), rope(k, positions, self.inv_freq), v
+
+  def _finish(self, x, a, w):
+    """Output projection and MLP of one layer, given the attention output `a`."""
+    c = self.config
+    b, l = x.shape[:2]
+    x = x + self._proj("o_proj", a.reshape(b, l, -1), w)
     h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-    x = x + proj("down_proj", jax.nn.silu(proj("gate_proj", h)) * proj("up_proj", h))
-    return x
+    mlp = jax.nn.silu(self._proj("gate_proj", h, w)) * self._proj("up_proj", h, w)
+    return x + self._proj("down_proj", mlp, w)
+
+  def _block(self, x, w, positions, tree: TreeMask):
+    q, k, v = self._qkv(x, w, positions)
+    return self._finish(x, attention(q, k, v, tree, self.attention_config), w)
 
   def hidden(self, tokens: Int[Array, "B L"], positions: Int[Array, "B L"], tree: TreeMask
              ) -> Float[Array, "B L D"]:
@@ -162,6 +199,40 @@ class Decoder(nnx.Module):
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     x, _ = lax.scan(body, x, self._layer_weights())
     return rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps)
+
+  def extend(self, tokens: Int[Array, "R T"], start: Int[Array, "R"], cache: KVCache
+             ) -> tuple[Float[Array, "R T D"], KVCache]:
+    """Run `tokens` on top of each row's cached context (prefill and decode).
+
+    Row r's tokens go to cache slots start[r] .. start[r] + T - 1, which are
+    also their RoPE positions; each attends to slots 0 .. its own. Trailing
+    padding tokens of a row write slots past its true length; they are
+    overwritten before any real token can see them (a later token at slot p
+    first writes slot p). Writes past the last slot are dropped: callers keep
+    real tokens inside the cache.
+
+    Returns:
+      final hidden states `[R, T, D]` and the updated cache.
+    """
+    dt = jnp.dtype(self.config.dtype)
+    r, t = tokens.shape
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+    rows = jnp.arange(r)[:, None]
+    x = jnp.take(self.embed.get_value(), jnp.maximum(tokens, 0), axis=0).astype(dt)
+
+    # The cache rides in the scan carry (updated in place layer by layer),
+    # not in xs/ys, so XLA does not rebuild it per layer.
+    def body(carry, w):
+      x, kc, vc, i = carry
+      q, k, v = self._qkv(x, w, slots)
+      kc = kc.at[i, rows, slots].set(k.astype(kc.dtype), mode="drop")
+      vc = vc.at[i, rows, slots].set(v.astype(vc.dtype), mode="drop")
+      a = cached_attention(q, kc[i].astype(q.dtype), vc[i].astype(q.dtype), slots)
+      return (self._finish(x, a, w), kc, vc, i + 1), None
+
+    (x, kc, vc, _), _ = lax.scan(body, (x, cache.k, cache.v, 0), self._layer_weights())
+    h = rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps)
+    return h, KVCache(kc, vc)
 
   def head(self) -> Float[Array, "D V"]:
     if self.config.tie_word_embeddings:

@@ -1,0 +1,1 @@
+"""Rollout: engines (embedded JAX sampler, vLLM), the agent loop and branching strategies."""

@@ -1,0 +1,127 @@
+"""The RolloutEngine protocol (DESIGN.md §5): token ids in, token ids + log-probs out.
+
+Both engines, the embedded JAX sampler and vLLM, take the *whole* context of
+every request as token ids and reuse cached prefixes themselves (the JAX
+sampler's row cache, vLLM's automatic prefix caching). So the agent loop never
+manages KV state: branching k ways from a node is k requests with the node's
+context, and continuing after a tool call is one request whose context extends
+the previous one. Either way the shared prefix is computed once.
+
+The recorded log-probs and entropies are those of the policy itself
+(temperature 1, no top-k/top-p truncation): they are what the trainer
+recomputes, so importance ratios start at 1 when sampling at temperature 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+FINISH_REASONS = ("stop", "eos", "length", "context")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to sample one continuation.
+
+  Attributes:
+    temperature: 0 means greedy (argmax).
+    top_p: nucleus sampling threshold in (0, 1]; 1 disables it.
+    top_k: keep the k most likely tokens; 0 disables it.
+    max_new_tokens: generation stops after this many tokens (finish "length").
+    stop: stop strings (e.g. "</tool_call>"); generation ends right after the
+      first token that completes one, and that token is kept.
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_new_tokens: int = 256
+  stop: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+  """One continuation of `tokens` (the full context, prompt included)."""
+
+  tokens: tuple[int, ...]
+  params: SamplingParams = SamplingParams()
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+  """What one request produced.
+
+  Attributes:
+    tokens: the sampled tokens, exactly (never re-tokenized).
+    logprobs: the policy's log-prob of each sampled token.
+    entropies: the policy's entropy at each sampled position.
+    finish_reason: "stop" (a stop string), "eos", "length" (max_new_tokens) or
+      "context" (the context window is full; also when the prompt alone does
+      not fit, with no tokens).
+    stop: the stop string that ended it, if any.
+    prefill_tokens: context tokens this request had to run through the model
+      (0 for a branch that shares a context prefilled for another request).
+  """
+
+  tokens: tuple[int, ...]
+  logprobs: tuple[float, ...]
+  entropies: tuple[float, ...]
+  finish_reason: str
+  stop: str | None = None
+  prefill_tokens: int = 0
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+  """Generates continuations; receives the policy's weights after each update."""
+
+  def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    ...
+
+  def update_weights(self, params: Any) -> None:
+    ...
+
+
+class ScriptedEngine:
+  """A mock RolloutEngine for tests: `script(context tokens) -> text` decides each step.
+
+  The text is tokenized and followed by `eos_id` (when given). Log-probs are
+  those of a policy that is certain of its script (0), entropies 0.
+  """
+
+  def __init__(self, script: Callable[[tuple[int, ...]], str], tokenizer: Any,
+               eos_id: int | None = None):
+    self.script, self.tokenizer, self.eos_id = script, tokenizer, eos_id
+    self.requests: list[GenerationRequest] = []
+    self.weight_updates = 0
+
+  def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    out = []
+    for req in requests:
+      self.requests.append(req)
+      tokens = list(self.tokenizer.encode(self.script(req.tokens), add_special_tokens=False))
+      tokens = tokens[:req.params.max_new_tokens]
+      finish = "length"
+      if self.eos_id is not None and len(tokens) < req.params.max_new_tokens:
+        tokens.append(self.eos_id)
+        finish = "eos"
+      n = len(tokens)
+      out.append(GenerationResult(tuple(tokens), (0.0,) * n, (0.0,) * n, finish,
+                                  prefill_tokens=len(req.tokens)))
+    return out
+
+  def update_weights(self, params: Any) -> None:
+    del params  # a script has no weights; the count lets tests check the sync happened
+    self.weight_updates += 1

@@ -1,0 +1,421 @@
+"""The embedded JAX sampler: batched prefill + decode in one jitted program, with a row cache.
+
+Device side, one program per shape bucket (rows R, slots S, prefill length T,
+decode bound M, stop-sequence table) does, for all rows at once:
+
+  1. gather rows of the KV cache (`src_rows`): a request starts from the cached
+     row that shares its longest prefix (possibly another request's row),
+  2. prefill each lead row's uncached suffix (`Decoder.extend`),
+  3. gather again (`fork_src`): k requests with the same context copy the lead
+     row's KV after its prefill, so a shared context is prefilled once,
+  4. decode in a `lax.while_loop` over a typed `SamplerState` until every row
+     has hit EOS, a stop sequence, its token budget or the end of the cache.
+
+Values that change between calls (lengths, sampling knobs, stop tables) are
+arrays, so they do not recompile; the cache is donated. Host side, `JaxSampler`
+keeps, for every row, the tokens whose KV it holds, picks sources and
+destinations (longest common prefix, least recently used), and applies stop
+*strings* on the decoded text (a model may spell "</tool_call>" with other
+tokens than the stop table's).
+
+One token is recomputed per reused prefix: a request whose whole context is
+cached still runs its last context token, to get the next-token distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+
+from tree_rl.models.decoder import Decoder, KVCache
+from tree_rl.rollout.engine import GenerationRequest, GenerationResult
+from tree_rl.tree.types import Array, Bool, Float, Int
+
+_REASONS = ("running", "stop", "eos", "length", "context")
+_NEG_INF = -jnp.inf
+
+
+@flax.struct.dataclass
+class SamplerInputs:
+  """Per-call arrays (R rows; T prefill tokens; NS stop sequences of up to MS tokens)."""
+
+  src_rows: Int[Array, "R"]  # row r starts as a copy of cache row src_rows[r]
+  keep_len: Int[Array, "R"]  # cached tokens kept in row r (its prefill starts there)
+  new_tokens: Int[Array, "R T"]  # suffix to prefill (lead rows), padded
+  new_len: Int[Array, "R"]
+  fork_src: Int[Array, "R"]  # after prefill, row r copies row fork_src[r]
+  active: Bool[Array, "R"]  # rows that generate in this call
+  temperature: Float[Array, "R"]
+  top_p: Float[Array, "R"]
+  top_k: Int[Array, "R"]
+  max_new: Int[Array, "R"]
+  stop_seqs: Int[Array, "NS MS"]  # right-aligned token sequences, -1 padded on the left
+  stop_use: Bool[Array, "R NS"]
+
+
+@flax.struct.dataclass
+class SamplerState:
+  """The decode loop's carry."""
+
+  step: Int[Array, ""]
+  done: Bool[Array, "R"]
+  reason: Int[Array, "R"]  # index into _REASONS
+  length: Int[Array, "R"]  # tokens with KV in the row
+  logits: Float[Array, "R V"]  # next-token logits
+  window: Int[Array, "R MS"]  # last MS sampled tokens, for stop sequences
+  tokens: Int[Array, "R M"]
+  logprobs: Float[Array, "R M"]
+  entropies: Float[Array, "R M"]
+  cache: KVCache
+  rng: Array
+
+
+def sample_tokens(logits: Float[Array, "R V"], key: Array, temperature: Float[Array, "R"],
+                  top_p: Float[Array, "R"], top_k: Int[Array, "R"]):
+  """Sample one token per row; returns (tokens, policy log-probs, policy entropies).
+
+  Temperature 0 is greedy. Top-k then top-p (over the top-k renormalised
+  distribution) restrict the *sampling* distribution only; the returned
+  log-prob and entropy are those of the untempered policy.
+  """
+  logits = logits.astype(jnp.float32)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+
+  def truncate(s):
+    v = s.shape[-1]
+    desc = -jnp.sort(-s, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
+    desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], desc, _NEG_INF)
+    cum = jnp.cumsum(jax.nn.softmax(desc, axis=-1), axis=-1)
+    n_keep = jnp.minimum(1 + jnp.sum(cum < top_p[:, None], axis=-1), k)
+    thr = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)
+    return jnp.where(s >= thr, s, _NEG_INF)
+
+  # The sort costs O(V log V) per row: only pay it when some row asks.
+  scaled = lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), truncate, lambda s: s, scaled)
+  sampled = jax.random.categorical(key, scaled, axis=-1)
+  tok = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+  lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+  ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  return tok, lp, ent
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerLoop:
+  """The static half of the program: model structure, decode bound, EOS ids."""
+
+  graphdef: Any
+  max_new_tokens: int
+  eos_ids: tuple[int, ...]
+  prefill_chunk: int = 256
+
+  def run(self, params, cache: KVCache, inp: SamplerInputs, rng: Array) -> SamplerState:
+    model: Decoder = nnx.merge(self.graphdef, params)
+    r, s_len = cache.rows, cache.slots
+    head = model.head()
+    # 1-2: start from the best cached row, prefill the uncached suffix.
+    cache = KVCache(cache.k[:, inp.src_rows], cache.v[:, inp.src_rows])
+    last, cache = self._prefill(model, cache, inp)
+    logits = jnp.einsum("rd,dv->rv", last, head.astype(last.dtype),
+                        preferred_element_type=jnp.float32)
+    # 3: branches copy their lead row (KV and next-token logits).
+    cache = KVCache(cache.k[:, inp.fork_src], cache.v[:, inp.fork_src])
+    logits = logits[inp.fork_src]
+    length = (inp.keep_len + inp.new_len)[inp.fork_src]
+    m, ms = self.max_new_tokens, inp.stop_seqs.shape[1]
+    state = SamplerState(
+        step=jnp.zeros((), jnp.int32), done=~inp.active,
+        reason=jnp.zeros((r,), jnp.int32), length=length, logits=logits,
+        window=jnp.full((r, ms), -2, jnp.int32), tokens=jnp.full((r, m), -1, jnp.int32),
+        logprobs=jnp.zeros((r, m), jnp.float32), entropies=jnp.zeros((r, m), jnp.float32),
+        cache=cache, rng=rng)
+    eos = jnp.asarray(self.eos_ids if self.eos_ids else (-3,), jnp.int32)
+
+    def cond(st: SamplerState):
+      return (st.step < m) & ~jnp.all(st.done)
+
+    def body(st: SamplerState) -> SamplerState:
+      rng, key = jax.random.split(st.rng)
+      tok, lp, ent = sample_tokens(st.logits, key, inp.temperature, inp.top_p, inp.top_k)
+      live = ~st.done
+      window = jnp.concatenate([st.window[:, 1:], tok[:, None]], axis=1)
+      seq = inp.stop_seqs[None]  # [1, NS, MS]
+      hit = jnp.all((seq == window[:, None, :]) | (seq < 0), axis=-1)
+      hit = jnp.any(hit & inp.stop_use & jnp.any(seq >= 0, axis=-1), axis=-1)
+      is_eos = jnp.any(tok[:, None] == eos[None, :], axis=-1)
+      new_length = st.length + live.astype(jnp.int32)
+      out_of_budget = st.step + 1 >= inp.max_new
+      full = new_length >= s_len
+      reason = jnp.select(
+          [~live, is_eos, hit, out_of_budget, full],
+          [st.reason, jnp.full_like(st.reason, 2), jnp.full_like(st.reason, 1),
+           jnp.full_like(st.reason, 3), jnp.full_like(st.reason, 4)], st.reason)
+      done = st.done | (live & (is_eos | hit | out_of_budget | full))
+      put = lambda buf, x, fill: buf.at[:, st.step].set(jnp.where(live, x, fill))
+      # Feed the token so its KV is cached (the next turn or branch reuses it).
+      h, cache = model.extend(tok[:, None], st.length, st.cache)
+      logits = jnp.einsum("rd,dv->rv", h[:, 0], head.astype(h.dtype),
+                          preferred_element_type=jnp.float32)
+      return SamplerState(
+          step=st.step + 1, done=done, reason=reason, length=new_length, logits=logits,
+          window=window, tokens=put(st.tokens, tok, -1), logprobs=put(st.logprobs, lp, 0.0),
+          entropies=put(st.entropies, ent, 0.0), cache=cache, rng=rng)
+
+    return lax.while_loop(cond, body, state)
+
+  def _prefill(self, model: Decoder, cache: KVCache, inp: SamplerInputs):
+    """Runs the suffixes in chunks of `prefill_chunk` tokens; returns each row's last hidden.
+
+    Chunking bounds the attention scores at [R, H, chunk, S] instead of
+    [R, H, T, S]; chunks past every row's suffix are skipped.
+    """
+    r, t = inp.new_tokens.shape
+    c = min(t, self.prefill_chunk)  # both powers of two: c divides t
+    chunks = jnp.moveaxis(inp.new_tokens.reshape(r, t // c, c), 1, 0)
+
+    def step(carry, xs):
+      cache, last = carry
+      i, toks = xs
+
+      def run(args):
+        cache, last = args
+        h, cache = model.extend(toks, inp.keep_len + i * c, cache)
+        idx = inp.new_len - 1 - i * c  # a row's last suffix token, if in this chunk
+        h_idx = jnp.take_along_axis(h, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
+        return cache, jnp.where(((idx >= 0) & (idx < c))[:, None], h_idx, last)
+
+      return lax.cond(jnp.any(inp.new_len > i * c), run, lambda a: a, (cache, last)), None
+
+    last = jnp.zeros((r, model.config.hidden_size), jnp.dtype(model.config.dtype))
+    (cache, last), _ = lax.scan(step, (cache, last), (jnp.arange(t // c), chunks))
+    return last, cache
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _run(loop: SamplerLoop, params, cache, inp, rng):
+  return loop.run(params, cache, inp, rng)
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+  return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+  ids = tokenizer.encode(text, add_special_tokens=False)
+  return list(getattr(ids, "ids", ids))
+
+
+def _decode(tokenizer, ids) -> str:
+  return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+
+class JaxSampler:
+  """The embedded RolloutEngine: a jitted sampler over a persistent row cache.
+
+  Args:
+    model: the policy (its current weights are copied in; see update_weights).
+    rows: KV-cache rows, i.e. the most sequences generated or kept at once.
+    slots: cache length per row, the context window of generation.
+    tokenizer: optional (HF `tokenizers` or `transformers`); needed for stop strings.
+    eos_ids: token ids that end a generation (finish "eos").
+    seed: sampling seed; every call folds in a counter.
+  """
+
+  def __init__(self, model: Decoder, *, rows: int = 16, slots: int = 2048, tokenizer=None,
+               eos_ids: Sequence[int] = (), seed: int = 0, max_stop_tokens: int = 8):
+    self.graphdef, self.params = nnx.split(model)
+    self.config = model.config
+    self.rows, self.slots = rows, slots
+    self.tokenizer = tokenizer
+    self.eos_ids = tuple(int(e) for e in eos_ids)
+    self.max_stop_tokens = max_stop_tokens
+    self.cache = KVCache.zeros(model.config, rows, slots)
+    self.row_tokens: list[np.ndarray | None] = [None] * rows
+    self.last_used = np.zeros(rows, np.int64)
+    self.calls = 0
+    self.rng = jax.random.key(seed)
+    self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+
+  # ------------------------------------------------------------------------
+
+  def update_weights(self, params: Any) -> None:
+    """Take new policy weights (an `nnx.State` of the same graph, or a Decoder).
+
+    The cached KV was computed with the old weights, so the row cache is reset.
+    """
+    if isinstance(params, nnx.Module):
+      params = nnx.split(params)[1]
+    self.params = params
+    self.row_tokens = [None] * self.rows
+
+  def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    results: list[GenerationResult | None] = [None] * len(requests)
+    todo = []
+    for i, req in enumerate(requests):
+      if not req.tokens:
+        raise ValueError(f"request {i} has an empty context")
+      if len(req.tokens) >= self.slots:  # no room for even one new token
+        results[i] = GenerationResult((), (), (), "context")
+      else:
+        todo.append(i)
+    for start in range(0, len(todo), self.rows):
+      chunk = todo[start:start + self.rows]
+      for i, res in zip(chunk, self._generate_chunk([requests[i] for i in chunk])):
+        results[i] = res
+    return results  # type: ignore[return-value]
+
+  # ------------------------------------------------------------------------
+
+  def _lcp(self, tokens: np.ndarray) -> tuple[int, int]:
+    """(row, length) of the cached row sharing the longest prefix with `tokens`."""
+    best_row, best = 0, 0
+    for row, cached in enumerate(self.row_tokens):
+      if cached is None:
+        continue
+      n = min(len(cached), len(tokens))
+      neq = np.flatnonzero(cached[:n] != tokens[:n])
+      lcp = int(neq[0]) if neq.size else n
+      if lcp > best:
+        best_row, best = row, lcp
+    return best_row, best
+
+  def _stop_table(self, requests: Sequence[GenerationRequest]):
+    strings = sorted({s for req in requests for s in req.params.stop})
+    if strings and self.tokenizer is None:
+      raise ValueError(f"stop strings {strings} need a tokenizer; pass tokenizer= to JaxSampler")
+    seqs = []
+    for s in strings:
+      ids = _encode(self.tokenizer, s)
+      if not ids or len(ids) > self.max_stop_tokens:
+        raise ValueError(f"stop string {s!r} encodes to {len(ids)} tokens; "
+                         f"1..{self.max_stop_tokens} are supported")
+      seqs.append(ids)
+    ns = _bucket(max(len(seqs), 1), 1)
+    table = np.full((ns, self.max_stop_tokens), -1, np.int32)
+    for j, ids in enumerate(seqs):
+      table[j, -len(ids):] = ids
+    use = np.zeros((self.rows, ns), bool)
+    for r, req in enumerate(requests):
+      for j, s in enumerate(strings):
+        use[r, j] = s in req.params.stop
+    return strings, table, use
+
+  def _generate_chunk(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    r = self.rows
+    self.calls += 1
+    ctx = [np.asarray(req.tokens, np.int32) for req in requests]
+    # Group identical contexts: one lead row prefills, the others copy it.
+    leads: dict[tuple[int, ...], int] = {}
+    for i, req in enumerate(requests):
+      leads.setdefault(req.tokens, i)
+    # Destinations: a lead extends its source row in place when nothing of that
+    # row is lost; everything else takes the least recently used free row.
+    sources = {i: self._lcp(ctx[i]) for i in leads.values()}
+    dest = [-1] * len(requests)
+    taken: set[int] = set()
+    for i in leads.values():
+      row, lcp = sources[i]
+      cached = self.row_tokens[row]
+      if cached is not None and lcp == len(cached) and row not in taken:
+        dest[i] = row
+        taken.add(row)
+    free = [row for row in np.argsort(self.last_used, kind="stable") if row not in taken]
+    for i in range(len(requests)):
+      if dest[i] < 0:
+        dest[i] = int(free.pop(0))
+        taken.add(dest[i])
+
+    src_rows = np.arange(r, dtype=np.int32)
+    keep_len = np.array([0 if t is None else len(t) for t in self.row_tokens], np.int32)
+    new_len = np.zeros(r, np.int32)
+    suffixes, prefill = {}, [0] * len(requests)
+    for key, i in leads.items():
+      row, lcp = sources[i]
+      keep = min(lcp, len(key) - 1)  # the last context token always runs
+      src_rows[dest[i]], keep_len[dest[i]] = row, keep
+      suffixes[dest[i]] = ctx[i][keep:]
+      new_len[dest[i]] = len(key) - keep
+      prefill[i] = len(key) - keep
+      self.stats["reused_tokens"] += keep
+    t = min(_bucket(int(new_len.max())), self.slots)
+    new_tokens = np.zeros((r, t), np.int32)
+    for row, suffix in suffixes.items():
+      new_tokens[row, :len(suffix)] = suffix
+    fork_src = np.arange(r, dtype=np.int32)
+    active = np.zeros(r, bool)
+    temperature, top_p = np.ones(r, np.float32), np.ones(r, np.float32)
+    top_k, max_new = np.zeros(r, np.int32), np.ones(r, np.int32)
+    for i, req in enumerate(requests):
+      d = dest[i]
+      fork_src[d] = dest[leads[req.tokens]]
+      active[d] = True
+      p = req.params
+      temperature[d], top_p[d], top_k[d], max_new[d] = (p.temperature, p.top_p, p.top_k,
+                                                         p.max_new_tokens)
+    strings, table, use = self._stop_table(requests)
+    stop_use = np.zeros((r, table.shape[0]), bool)
+    for i in range(len(requests)):
+      stop_use[dest[i]] = use[i]
+
+    host = dict(
+        src_rows=src_rows, keep_len=keep_len, new_tokens=new_tokens, new_len=new_len,
+        fork_src=fork_src, active=active, temperature=temperature, top_p=top_p, top_k=top_k,
+        max_new=max_new, stop_seqs=table, stop_use=stop_use)
+    inp = SamplerInputs(**{k: jax.device_put(v) for k, v in host.items()})
+    loop = SamplerLoop(self.graphdef, _bucket(int(max_new.max())), self.eos_ids)
+    key = jax.random.fold_in(self.rng, self.calls)
+    state = _run(loop, self.params, self.cache, inp, key)
+    self.cache = state.cache
+    out = jax.device_get((state.tokens, state.logprobs, state.entropies, state.reason))
+    tokens, logprobs, entropies, reason = out
+
+    # Host: apply stop strings on text, record results and what each row now holds.
+    results = []
+    for i, req in enumerate(requests):
+      d = dest[i]
+      n = int((tokens[d] >= 0).sum())
+      gen = tokens[d, :n]
+      finish, stop = _REASONS[int(reason[d])], None
+      if finish == "stop" or (self.tokenizer is not None and req.params.stop):
+        cut, stop = self._stop_cut(gen, req.params.stop)
+        if stop is not None:
+          n, finish = cut, "stop"
+      results.append(GenerationResult(
+          tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[d, :n]),
+          entropies=tuple(float(x) for x in entropies[d, :n]), finish_reason=finish, stop=stop,
+          prefill_tokens=prefill[i]))
+      self.stats["prefill_tokens"] += prefill[i]
+      self.stats["generated_tokens"] += n
+    for i in range(len(requests)):
+      d = dest[i]
+      self.row_tokens[d] = np.concatenate([ctx[i], np.asarray(results[i].tokens, np.int32)])
+      self.last_used[d] = self.calls
+    return results
+
+  def _stop_cut(self, gen: np.ndarray, stops: Sequence[str]) -> tuple[int, str | None]:
+    """(tokens to keep, stop string) for the earliest token completing a stop string."""
+    if not stops or self.tokenizer is None or len(gen) == 0:
+      return len(gen), None
+    text = _decode(self.tokenizer, gen)
+    if not any(s in text for s in stops):
+      return len(gen), None
+    lo, hi = 1, len(gen)  # smallest prefix whose text contains a stop string
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if any(s in _decode(self.tokenizer, gen[:mid]) for s in stops):
+        hi = mid
+      else:
+        lo = mid + 1
+    prefix = _decode(self.tokenizer, gen[:lo])
+    first = min((prefix.find(s), s) for s in stops if s in prefix)[1]
+    return lo, first
