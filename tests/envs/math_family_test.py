@@ -1,16 +1,17 @@
-"""Tests of the math family: calculator, python tool, generation, splits, scoring and oracles."""
+"""Tests of the math family: calculator, python tool, generation, splits, scoring and oracles.
+
+The calculator's evaluator itself is tested in calculator_test.py.
+"""
 
 from __future__ import annotations
 
 import json
-import math
-import time
 
 import pytest
 
 from tree_rl.envs.base import Task, ToolError
 from tree_rl.envs.executor import ToolExecutor, tool_message
-from tree_rl.envs.math_family import MathFamily, evaluate_expression, extract_answer
+from tree_rl.envs.math_family import MathFamily, extract_answer
 from tree_rl.envs.parsing import parse_step
 
 
@@ -34,63 +35,6 @@ def test_calculator_schema(family):
   assert params["type"] == "object" and params["required"] == ["expression"]
   assert params["properties"]["expression"]["type"] == "string"
   assert calc.description and not calc.terminal
-
-
-@pytest.mark.parametrize("expression, expected", [
-    ("2 + 3 * 4", "14"),            # * before +
-    ("(2 + 3) * 4", "20"),
-    ("2 ** 3 ** 2", "512"),         # ** is right-associative: 2 ** 9
-    ("2^10", "1024"),               # ^ is read as a power
-    ("-3 ** 2", "-9"),              # unary minus binds looser than **
-    ("10 - 4 - 3", "3"),            # left-associative
-    ("7 / 2", "3.5"),
-    ("6 / 3", "2"),                 # exact, shown without a decimal point
-    ("7 // 2", "3"),
-    ("-7 // 2", "-4"),              # floor division rounds down
-    ("7 % 3", "1"),
-    ("0.1 + 0.2", "0.3"),           # exact decimal arithmetic
-    ("1 / 3", repr(1 / 3)),
-    ("sqrt(16) + abs(-5)", "9"),
-    ("max(3, 9, 2) - min(4, 1)", "8"),
-    ("floor(2.7) + ceil(2.1)", "5"),
-    ("round(2.567, 2)", "2.57"),
-    ("round(7 / 2)", "4"),
-    ("log(exp(2))", "2"),
-    ("2 * pi", repr(2 * math.pi)),
-    ("9568 + -3477", "6091"),
-])
-def test_calculator_values(expression, expected):
-  assert evaluate_expression(expression) == expected
-
-
-@pytest.mark.parametrize("expression, message", [
-    ("x + 1", "unknown name 'x'"),
-    ("__import__('os').system('ls')", "only these functions can be called"),
-    ("(1).real", "attribute access is not allowed"),
-    ("math.pi", "attribute access is not allowed"),
-    ("'a' * 3", "only numbers are allowed"),
-    ("True + 1", "only numbers are allowed"),
-    ("[1] * 3", "unsupported syntax: List"),
-    ("lambda: 1", "unsupported syntax: Lambda"),
-    ("9 ** 9 ** 9", "too large"),
-    ("10 ** 100000", "too large"),
-    ("2 ** -20000", "too large"),
-    ("(-8) ** 0.5", "not real"),
-    ("1 / 0", "division by zero"),
-    ("5 % 0", "division by zero"),
-    ("sqrt(-1)", "sqrt()"),
-    ("exp(10000)", "exp()"),
-    ("max()", "max()"),
-    ("2 +", "invalid expression"),
-    ("", "empty"),
-    ("1 + " * 300 + "1", "longer than"),
-])
-def test_calculator_errors(expression, message):
-  start = time.monotonic()
-  with pytest.raises(ValueError, match=None) as info:
-    evaluate_expression(expression)
-  assert message in str(info.value)
-  assert time.monotonic() - start < 1.0  # huge powers are refused, not computed
 
 
 def test_calculator_errors_reach_the_model_through_the_executor(family):

@@ -3,9 +3,10 @@
 Problems come from reasoning-gym's procedural datasets (by default
 gsm_symbolic, basic_arithmetic and chain_sum), so any number of train and eval
 tasks can be drawn from a seed without downloads. The policy may call
-`calculator` (`evaluate_expression`, a safe `ast` evaluator) and `python` (the
-sandbox of `tree_rl.envs.sandbox`), and ends with <answer>...</answer>. The
-verifier is the dataset's own `score_answer`, with math-verify as the fallback.
+`calculator` (`evaluate_to_text` of `tree_rl.envs.calculator`, a safe `ast`
+evaluator with exact arithmetic) and `python` (the sandbox of
+`tree_rl.envs.sandbox`), and ends with <answer>...</answer>. The verifier is
+the dataset's own `score_answer`, with math-verify as the fallback.
 
 Splits. Each (split, dataset) pair draws from its own reasoning-gym seed,
 derived from the family seed by hashing, so train and eval are different
@@ -20,161 +21,24 @@ own scorer does not give full marks are skipped on both sides.
 
 from __future__ import annotations
 
-import ast
 import functools
 import json
-import math
-import operator
 import random
 import re
 import threading
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
 from typing import Any
 
 import reasoning_gym
 
 from tree_rl.envs.base import Message, Outcome, Task, Tool, render_tool_output, render_tool_prompt
+from tree_rl.envs.calculator import evaluate_to_text
 from tree_rl.envs.parsing import format_tool_call
 from tree_rl.envs.sandbox import SandboxLimits, run_python
 
 # ---------------------------------------------------------------------------
-# Calculator
+# Tools
 # ---------------------------------------------------------------------------
-
-MAX_EXPRESSION_CHARS = 500
-# Exact results are kept under this many bits (~3,000 digits) so that no step of
-# an expression, e.g. 9**9**9, can hang the host or exceed int->str limits.
-MAX_RESULT_BITS = 10_000
-
-_BINARY_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-               ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv,
-               ast.Mod: operator.mod, ast.Pow: None}  # Pow is checked separately
-_CONSTANTS = {"pi": math.pi, "e": math.e}
-
-
-def _log(x: Any, base: Any = None) -> float:
-  return math.log(x) if base is None else math.log(x, base)
-
-
-_FUNCTIONS = {"sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
-              "floor": math.floor, "ceil": math.ceil, "log": _log, "exp": math.exp}
-
-Number = Fraction | float
-
-
-def _checked(value: Any) -> Number:
-  """The value as a Fraction (exact) or a finite float, within the size limit."""
-  if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)):
-    raise ValueError(f"unsupported value {value!r}")
-  if isinstance(value, float):
-    if not math.isfinite(value):
-      raise ValueError("the result is not a finite number")
-    return value
-  value = Fraction(value)
-  if max(value.numerator.bit_length(), value.denominator.bit_length()) > MAX_RESULT_BITS:
-    raise ValueError("the result is too large")
-  return value
-
-
-def _power(base: Number, exponent: Number) -> Number:
-  integral = isinstance(exponent, Fraction) and exponent.denominator == 1
-  if integral and isinstance(base, Fraction):
-    bits = max(base.numerator.bit_length(), base.denominator.bit_length())
-    # 0, 1 and -1 stay small; anything else grows by `bits` per unit of exponent.
-    if bits > 1 and bits * abs(exponent.numerator) > MAX_RESULT_BITS:
-      raise ValueError("the result is too large")
-    if base == 0 and exponent < 0:
-      raise ValueError("division by zero")
-    return base ** exponent.numerator
-  if float(base) < 0 and not integral:
-    raise ValueError("a negative number to a fractional power is not real")
-  return float(base) ** (int(exponent) if integral else float(exponent))
-
-
-def _eval(node: ast.AST) -> Number:
-  """Evaluates one node of the restricted grammar."""
-  if isinstance(node, ast.Expression):
-    return _eval(node.body)
-  if isinstance(node, ast.Constant):
-    if isinstance(node.value, bool) or not isinstance(node.value, (int, float)):
-      raise ValueError(f"only numbers are allowed, got {node.value!r}")
-    # repr() keeps a decimal literal exact: 0.1 is 1/10, not its binary neighbour.
-    return _checked(Fraction(repr(node.value)) if isinstance(node.value, float) else node.value)
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-    value = _eval(node.operand)
-    return -value if isinstance(node.op, ast.USub) else value
-  if isinstance(node, ast.BinOp) and type(node.op) in _BINARY_OPS:
-    left, right = _eval(node.left), _eval(node.right)
-    if isinstance(node.op, ast.Pow):
-      return _checked(_power(left, right))
-    if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and right == 0:
-      raise ValueError("division by zero")
-    return _checked(_BINARY_OPS[type(node.op)](left, right))
-  if isinstance(node, ast.Name):
-    if node.id in _CONSTANTS:
-      return _CONSTANTS[node.id]
-    raise ValueError(f"unknown name '{node.id}'; allowed functions: "
-                     f"{', '.join(_FUNCTIONS)}; constants: pi, e")
-  if isinstance(node, ast.Call):
-    if not isinstance(node.func, ast.Name) or node.func.id not in _FUNCTIONS:
-      raise ValueError(f"only these functions can be called: {', '.join(_FUNCTIONS)}")
-    if node.keywords:
-      raise ValueError("keyword arguments are not allowed")
-    args = [_eval(a) for a in node.args]
-    try:
-      return _checked(_FUNCTIONS[node.func.id](*args))
-    except (TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
-      raise ValueError(f"{node.func.id}(): {e}") from None
-  if isinstance(node, ast.Attribute):
-    raise ValueError("attribute access is not allowed")
-  raise ValueError(f"unsupported syntax: {type(node).__name__}")
-
-
-def format_number(value: Number) -> str:
-  """Integers without a decimal point, other values as the shortest float repr."""
-  if isinstance(value, Fraction) and value.denominator == 1:
-    return str(value.numerator)
-  value = float(value)
-  if value.is_integer() and abs(value) < 1e16:
-    return str(int(value))
-  return repr(value)
-
-
-def evaluate_expression(expression: str) -> str:
-  """The value of an arithmetic expression, evaluated without eval/exec.
-
-  Allowed: numbers, + - * / // % ** (and ^ as **), unary minus, parentheses,
-  sqrt/abs/round/min/max/floor/ceil/log/exp and the constants pi and e.
-  Arithmetic on literals is exact (fractions), so 0.1 + 0.2 gives 0.3.
-
-  Args:
-    expression: the expression, at most MAX_EXPRESSION_CHARS characters.
-
-  Returns:
-    The value as text (see `format_number`).
-
-  Raises:
-    ValueError: a syntax error, a disallowed construct, division by zero or a
-      result that is too large; the message says which.
-  """
-  if len(expression) > MAX_EXPRESSION_CHARS:
-    raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
-  text = expression.strip().replace("^", "**")
-  if not text:
-    raise ValueError("the expression is empty")
-  try:
-    tree = ast.parse(text, mode="eval")
-  except SyntaxError as e:
-    raise ValueError(f"invalid expression: {e.msg}") from None
-  except (RecursionError, MemoryError):
-    raise ValueError("the expression is nested too deeply") from None
-  try:
-    return format_number(_eval(tree))
-  except (ZeroDivisionError, OverflowError) as e:
-    raise ValueError(str(e)) from None
-  except RecursionError:
-    raise ValueError("the expression is nested too deeply") from None
 
 
 def make_tools(limits: SandboxLimits = SandboxLimits()) -> list[Tool]:
@@ -200,7 +64,7 @@ def make_tools(limits: SandboxLimits = SandboxLimits()) -> list[Tool]:
                   "properties": {"expression": {"type": "string",
                                                 "description": "e.g. (12 + 30) * 4 / 7"}},
                   "required": ["expression"]},
-      fn=evaluate_expression, timeout_s=5.0)
+      fn=evaluate_to_text, timeout_s=5.0)
   python_tool = Tool(
       name="python",
       description=("Runs a Python 3 script in a sandbox without network or file access and "

@@ -1,111 +1,17 @@
-"""World-independent tool logic: safe arithmetic, unit conversion, list sort and filter.
+"""World-independent tool logic: unit conversion, list sort and filter.
 
-`safe_eval` walks the `ast` of an expression and allows only numbers, a few
-named constants and functions, and arithmetic operators: no `eval`, no names
-that reach Python objects, no attribute access. Exponents are bounded so a
-policy cannot stall a rollout worker with `9**9**9`.
+The tool world's arithmetic (`math_calculation`) is not here: it is the shared
+safe evaluator `tree_rl.envs.calculator.evaluate_to_number`, one evaluator for
+every family's calculator tool.
 """
 
 from __future__ import annotations
 
-import ast
-import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 Number = int | float
-
-_MAX_EXPRESSION_CHARS = 300
-_BINARY: dict[type, Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
-    "floor": math.floor, "ceil": math.ceil, "log": math.log, "log10": math.log10,
-    "exp": math.exp, "sin": math.sin, "cos": math.cos, "tan": math.tan}
-_CONSTANTS = {"pi": math.pi, "e": math.e}
-
-
-def _power(base: Number, exponent: Number) -> Number:
-  """base ** exponent: exact for small integer powers, else float (which overflows loudly)."""
-  if (isinstance(base, int) and isinstance(exponent, int) and 0 <= exponent <= 64
-      and exponent * abs(base).bit_length() <= 4096):
-    return base**exponent
-  result = float(base) ** float(exponent)
-  if isinstance(result, complex):
-    raise ValueError("a negative number to a fractional power is not a real number")
-  return result
-
-
-def _eval(node: ast.AST) -> Number:
-  """Evaluates one node of the restricted grammar, raising ValueError on anything else."""
-  if isinstance(node, ast.Expression):
-    return _eval(node.body)
-  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-    return node.value
-  if isinstance(node, ast.Name) and node.id in _CONSTANTS:
-    return _CONSTANTS[node.id]
-  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-    value = _eval(node.operand)
-    return -value if isinstance(node.op, ast.USub) else value
-  if isinstance(node, ast.BinOp):
-    if isinstance(node.op, ast.BitXor):
-      raise ValueError("'^' is not a power operator here; use '**'")
-    left, right = _eval(node.left), _eval(node.right)
-    if isinstance(node.op, ast.Pow):
-      return _power(left, right)
-    if type(node.op) in _BINARY:
-      return _BINARY[type(node.op)](left, right)
-  if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
-    if node.func.id in _FUNCTIONS:
-      return _FUNCTIONS[node.func.id](*[_eval(a) for a in node.args])
-  if isinstance(node, ast.Tuple):
-    raise ValueError("write numbers without thousands separators (1000, not 1,000)")
-  what = type(node).__name__ if not isinstance(node, ast.Name) else f"name '{node.id}'"
-  raise ValueError(f"unsupported element in expression: {what}; allowed are numbers, "
-                   "+ - * / // % **, parentheses, pi, e and " + ", ".join(sorted(_FUNCTIONS)))
-
-
-def safe_eval(expression: str) -> Number:
-  """The value of an arithmetic expression; integral results are ints.
-
-  Args:
-    expression: e.g. "(1234 - 1987) / 3 + sqrt(16)".
-
-  Returns:
-    The value: an int when it is integral (and below 1e15), else a float with
-    10 significant digits.
-
-  Raises:
-    ValueError: on syntax errors, disallowed elements, division by zero,
-      math domain errors and overflow.
-  """
-  if len(expression) > _MAX_EXPRESSION_CHARS:
-    raise ValueError(f"expression longer than {_MAX_EXPRESSION_CHARS} characters")
-  try:
-    tree = ast.parse(expression.strip(), mode="eval")
-  except SyntaxError:
-    raise ValueError(f"invalid expression '{expression}'") from None
-  try:
-    value = _eval(tree)
-  except ZeroDivisionError:
-    raise ValueError("division by zero") from None
-  except OverflowError:
-    raise ValueError("result too large") from None
-  except TypeError as e:
-    raise ValueError(f"invalid function arguments: {e}") from None
-  except ValueError as e:
-    raise ValueError(str(e) if "math domain" not in str(e) else "math domain error") from None
-  if isinstance(value, float) and not math.isfinite(value):
-    raise ValueError("result is not a finite number")
-  try:
-    value = float(value) if isinstance(value, int) and abs(value) >= 1e15 else value
-  except OverflowError:
-    raise ValueError("result too large") from None
-  if isinstance(value, int) or (value.is_integer() and abs(value) < 1e15):
-    return int(value)
-  return float(f"{value:.10g}")
 
 
 # -- Units ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from tree_rl.envs import calculator
 from tree_rl.envs.base import Tool
 from tree_rl.envs.toolworld import calc, series
 from tree_rl.envs.toolworld.timetools import TIME_TOOL_SPECS, TimeTools
@@ -251,8 +252,8 @@ class ToolBox(TimeTools):
     return {"value": value, "from_unit": a, "to_unit": b, "result": result}
 
   def math_calculation(self, expression: str) -> dict[str, Any]:
-    """The value of an arithmetic expression (see `calc.safe_eval`)."""
-    return {"expression": expression, "result": calc.safe_eval(expression)}
+    """The value of an arithmetic expression (see `calculator.evaluate_to_number`)."""
+    return {"expression": expression, "result": calculator.evaluate_to_number(expression)}
 
   def get_current_context(self) -> dict[str, Any]:
     """The task's present: local date, time, zone, and the user's city and currency."""
