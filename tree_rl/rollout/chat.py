@@ -54,6 +54,12 @@ class ChatFormat:
       ids.add(end[0])
     return tuple(sorted(i for i in ids if i is not None))
 
+  @property
+  def assistant_header(self) -> str:
+    """The text the template writes to open an assistant turn ("<|im_start|>assistant\n")."""
+    msgs = [{"role": "user", "content": "u"}]
+    return self._render(msgs, True)[len(self._render(msgs, False)):]
+
   def _render(self, messages: Sequence[Message], generation_prompt: bool) -> str:
     return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                               add_generation_prompt=generation_prompt)

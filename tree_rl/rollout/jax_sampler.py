@@ -258,6 +258,11 @@ class JaxSampler:
     self.params = params
     self.row_tokens = [None] * self.rows
 
+  def reseed(self, key: Array) -> None:
+    """Restart the sampling stream at `key` (the trainer reseeds every step from
+    (seed, step), so a resumed run samples exactly what the uninterrupted run did)."""
+    self.rng, self.calls = key, 0
+
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     results: list[GenerationResult | None] = [None] * len(requests)
     todo = []

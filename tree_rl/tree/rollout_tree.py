@@ -140,8 +140,104 @@ class RolloutTree:
     return len(self.leaves) - 1
 
   # --------------------------------------------------------------------------
+  # Editing (used by branching rollouts)
+  # --------------------------------------------------------------------------
+
+  def split_node(self, node: int, pos: int) -> int:
+    """Cuts `node` at token offset `pos` and returns the index of the new tail node.
+
+    The node keeps tokens[:pos] (and the matching log-probs and entropies);
+    a new node of the same kind and step holding tokens[pos:] is inserted
+    right after it, at index node + 1, and takes over the node's children,
+    its leaf and its per-node rewards (a step's rewards sit on the node that
+    ends the step). Inserting there keeps parents before children without
+    touching any other node's relative order, at one price: **every index
+    >= node + 1 shifts up by one**, in parents and leaves here and in any
+    index a caller holds (the rule is: i > node becomes i + 1).
+
+    The result is the same token sequence on every root-to-leaf path, so a
+    split tree packs to the same sequences and the same behaviour log-probs.
+
+    Raises:
+      TreeError: `node` is the root or does not exist, or pos is not in
+        (0, len(tokens)) (an empty prefix or tail would be an empty node).
+    """
+    if not 0 < node < len(self.nodes):
+      raise TreeError(f"split_node: node {node} is the root or does not exist")
+    old = self.nodes[node]
+    if not 0 < pos < len(old.tokens):
+      raise TreeError(
+          f"split_node: pos {pos} must be in (0, {len(old.tokens)}) for node {node}")
+    cut = lambda a: (None, None) if a is None else (a[:pos], a[pos:])
+    (lp_head, lp_tail), (ent_head, ent_tail) = cut(old.logprobs), cut(old.entropies)
+    tail = Node(parent=node, kind=old.kind, tokens=old.tokens[pos:], logprobs=lp_tail,
+                entropies=ent_tail, step=old.step, rewards=old.rewards)
+    old.tokens, old.logprobs, old.entropies, old.rewards = (
+        old.tokens[:pos], lp_head, ent_head, {})
+    for other in self.nodes:
+      if other.parent > node:
+        other.parent += 1
+      elif other.parent == node:
+        other.parent = node + 1  # the node's children now hang below its tail
+    self.nodes.insert(node + 1, tail)
+    tail.parent = node
+    for leaf in self.leaves:
+      if leaf.node >= node:
+        leaf.node += 1  # a leaf on the node moves to its tail, the others shift
+    return node + 1
+
+  def prune(self) -> list[int]:
+    """Removes every non-root node with no leaf record at or below it.
+
+    Used for trajectories a strategy discards after sampling them (PORTool's
+    DupAndSamp keeps n - n_c of the f (n - n_c) copies). Surviving nodes keep
+    their relative order, so parents still precede children.
+
+    Returns:
+      old index -> new index, -1 for removed nodes.
+    """
+    alive = [False] * len(self.nodes)
+    alive[0] = True
+    for leaf in self.leaves:
+      i = leaf.node
+      while i != -1 and not alive[i]:
+        alive[i] = True
+        i = self.nodes[i].parent
+    new_index, kept = [], []
+    for i, node in enumerate(self.nodes):
+      new_index.append(len(kept) if alive[i] else -1)
+      if alive[i]:
+        kept.append(node)
+    for node in kept:
+      if node.parent != -1:
+        node.parent = new_index[node.parent]
+    self.nodes = kept
+    for leaf in self.leaves:
+      leaf.node = new_index[leaf.node]
+    return new_index
+
+  # --------------------------------------------------------------------------
   # Queries
   # --------------------------------------------------------------------------
+
+  def preorder(self) -> list[int]:
+    """Node indices in depth-first preorder, children in index order.
+
+    Position c of the result is the index that `canonical()` (and so `pack`)
+    gives node `preorder()[c]`.
+    """
+    kids = self.children()
+    order: list[int] = []
+    stack = [0]
+    while stack:
+      n = stack.pop()
+      order.append(n)
+      stack.extend(reversed(kids[n]))
+    return order
+
+  def context(self, node: int) -> list[int]:
+    """Every token from the root down to and including `node`."""
+    return [t for i in self.path(node) for t in self.nodes[i].tokens]
 
   def children(self) -> list[list[int]]:
     """Children of every node, in index order."""

@@ -1,0 +1,241 @@
+"""APPO's token-level branching (specs/appo.md §2.4-2.6, the paper's Algorithm 1).
+
+  1. N initial rollouts per prompt (tagged INIT), run to the end.
+  2. For every initial rollout H_n, the Branching Score of each valid position i
+       BS_{n,i} = Z(clip(Omega_{n,i}, c_lo, c_hi); H_n) * Z(ent_{n,i}; H_n)      (Eq. 5)
+     from the *current* policy's log-probs (Omega, Eq. 4, against the recorded
+     behaviour log-probs) and entropies; the top-B positions are branch points
+     (`tree_rl.algos.appo.branching_score` / `select_branch_points`, so the
+     sign filter, the cyclic repeat of too-few points and the first-minibatch
+     entropy fallback are the estimator's own).
+  3. From each point a continuation is sampled with the current policy (the
+     engine holds the current weights): the branch shares positions 0..i-1
+     (the paper's "exclusive" prefix) and resamples token i onwards, through
+     the full agent loop (tools included), tagged BRANCH.
+  4. L = 1: every initial rollout gets exactly B branches, so every tree has
+     exactly M = (B + 1) N leaves. L > 1 (App. E): each further loop samples
+     source rollouts uniformly from the tree's rollouts (initial and branches)
+     and branches at their top-B points, with M as a hard cap (spec §2.5).
+
+Valid positions (spec §2.4 item 1): policy tokens, minus EOS / end-of-turn ids
+and, with `skip_punctuation`, tokens that decode to whitespace or punctuation.
+A rollout without a valid position (its prompt filled the context) keeps the
+budget with fresh rollouts from the prompt instead.
+
+Current-policy log-probs come from `current_logprobs(trees)`, which the trainer
+supplies (`model_scorer(model)` recomputes them on the packed trees). Without
+it the behaviour log-probs and entropies recorded at sampling stand in: then
+Omega = 1, and the estimator's fallback ranks by entropy alone (what the first
+mini-batch of every step sees in the paper, spec E1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tree_rl.algos.appo import APPOConfig, branching_score, select_branch_points
+from tree_rl.rollout.branching import Branch, Forest
+from tree_rl.rollout.strategies.base import register
+from tree_rl.tree.batch import Buckets, TreeBatch, pack
+from tree_rl.tree.rollout_tree import Node, RolloutTree
+from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag, NodeKind
+
+# Scoring runs on one-leaf chain trees padded to these sizes, so the jitted
+# scorer compiles once per bucket rather than once per rollout shape.
+_CHAIN_BUCKETS = Buckets(trees=tuple(2**i for i in range(13)))
+
+
+class NodeArrays(NamedTuple):
+  """Per-node arrays of one tree, indexed like `tree.nodes` (one value per token)."""
+
+  logprobs: list[np.ndarray]
+  entropies: list[np.ndarray]
+
+
+PolicyScorer = Callable[[Sequence[RolloutTree]], list[NodeArrays]]
+
+
+def behaviour_scorer(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
+  """The log-probs and entropies recorded at sampling (0 where a node has none)."""
+  out = []
+  for tree in trees:
+    get = lambda arr, n: np.zeros(len(n.tokens)) if arr is None else np.asarray(arr, np.float64)
+    out.append(NodeArrays([get(n.logprobs, n) for n in tree.nodes],
+                          [get(n.entropies, n) for n in tree.nodes]))
+  return out
+
+
+def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
+  """`current_logprobs` from a Decoder: log-probs and entropies on the packed trees.
+
+  The trees are packed (`buckets`, default `Buckets()`, so shapes repeat across
+  calls and the jitted scorer compiles once per bucket), scored with
+  `tree_rl.models.logprobs.tree_logprobs`, and mapped back from the packed
+  depth-first node order (`RolloutTree.preorder`) to each tree's own indices.
+  The model is read at call time, so it follows in-place weight updates.
+  """
+  from flax import nnx  # rollout code imports model code lazily
+
+  from tree_rl.models.logprobs import tree_logprobs
+
+  graphdef = nnx.graphdef(model)
+  scored = jax.jit(lambda state, batch: tree_logprobs(nnx.merge(graphdef, state), batch))
+
+  def score(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
+    lp, ent = scored(nnx.state(model), pack(list(trees), buckets or Buckets()))
+    lp, ent = np.asarray(lp, np.float64), np.asarray(ent, np.float64)
+    out = []
+    for b, tree in enumerate(trees):
+      per_lp: list[np.ndarray] = [np.zeros(0)] * len(tree.nodes)
+      per_ent: list[np.ndarray] = [np.zeros(0)] * len(tree.nodes)
+      off = 0
+      for i in tree.preorder():
+        n = len(tree.nodes[i].tokens)
+        per_lp[i], per_ent[i] = lp[b, off:off + n], ent[b, off:off + n]
+        off += n
+      out.append(NodeArrays(per_lp, per_ent))
+    return out
+
+  return score
+
+
+@functools.partial(jax.jit, static_argnames=("config", "num_points"))
+def _top_points(batch: TreeBatch, logp: Float[Array, "B L"], entropy: Float[Array, "B L"],
+                mask: Bool[Array, "B L"], config: APPOConfig,
+                num_points: int) -> Int[Array, "B K R"]:
+  """`[B, K, num_points]` top-B offsets (Eq. 5 + spec §2.4) of every INIT path of `batch`."""
+  score = branching_score(batch, logp, entropy, config, token_mask=mask)
+  return select_branch_points(score.bs, score.z_fut, score.z_ent, score.valid, num_points,
+                              config.bs_require_both_positive)
+
+
+@register("appo")
+@dataclasses.dataclass
+class APPOStrategy:
+  """Attributes:
+    config: APPOConfig: n_init = N (4), budget = M (16), so B = M/N - 1 = 3
+      (STATED); fut_clip [1, 1.2], tau_half 32, bs_mode, the sign filter and
+      the first-minibatch fallback, shared with the advantage estimator.
+    loops: L, branching loops (1 in all the paper's main experiments).
+    current_logprobs: trees -> per-node current-policy log-probs and
+      entropies; None uses the behaviour ones (see the module docstring).
+    skip_punctuation: drop whitespace/punctuation-only tokens from the
+      candidates (spec §2.4 item 1, as the authors' code does).
+    seed: source sampling for L > 1.
+  """
+
+  config: APPOConfig = APPOConfig()
+  loops: int = 1
+  current_logprobs: PolicyScorer | None = None
+  skip_punctuation: bool = True
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.loops < 1:
+      raise ValueError(f"APPOStrategy.loops={self.loops} must be >= 1")
+    self._rng = np.random.default_rng(self.seed)
+
+  def leaves_per_task(self) -> int | None:
+    return self.config.budget
+
+  # --------------------------------------------------------------------------
+
+  def grow(self, forest: Forest) -> None:
+    cfg = self.config
+    num_points, cap = cfg.num_branches, cfg.budget
+    trees = forest.trees
+    forest.run([b for t in range(len(trees)) for b in forest.start(t, cfg.n_init)])
+    planned = [len(tree.leaves) for tree in trees]
+    for loop in range(self.loops):
+      if num_points == 0:
+        break
+      sources = self._sources(forest, loop, planned, num_points)
+      if not sources:
+        break
+      points = self._branch_points(forest, sources, num_points)
+      new: list[Branch] = []
+      for (t, leaf), offsets in zip(sources, points):
+        take = min(len(offsets), cap - planned[t])  # the L > 1 hard cap; L = 1 always fits
+        for off in offsets[:take]:
+          if off < 0:  # no valid position on this rollout: keep M with a fresh rollout
+            new.extend(forest.start(t, 1, LeafTag.BRANCH))
+          else:
+            new.append(forest.branch_at_offset(t, leaf, int(off)))
+        planned[t] += max(take, 0)
+      forest.run(new)
+
+  def _sources(self, forest: Forest, loop: int, planned: list[int],
+               num_points: int) -> list[tuple[int, int]]:
+    """(tree, leaf) rollouts to branch from in this loop."""
+    out = []
+    for t, tree in enumerate(forest.trees):
+      if loop == 0:  # L = 1: every initial rollout once
+        out.extend((t, k) for k, leaf in enumerate(tree.leaves) if leaf.tag == LeafTag.INIT)
+        continue
+      left = self.config.budget - planned[t]
+      if left > 0 and tree.leaves:  # uniform over all rollouts of the tree, with replacement
+        picks = self._rng.integers(len(tree.leaves), size=math.ceil(left / num_points))
+        out.extend((t, int(k)) for k in picks)
+    return out
+
+  def _branch_points(self, forest: Forest, sources: list[tuple[int, int]],
+                     num_points: int) -> list[list[int]]:
+    """Top-B offsets into each source's root-to-leaf sequence (-1: none valid).
+
+    Each source's path becomes a one-leaf chain tree tagged INIT, so the
+    estimator's per-rollout z-scores and Omega run over exactly that rollout
+    (a branch rollout's path includes its parent's prefix, as Eq. 4 wants).
+    """
+    scorer = self.current_logprobs or behaviour_scorer
+    scores = scorer(forest.trees)
+    skip = frozenset(forest.chat.eos_ids)
+    keep_token = self._token_filter(forest)
+    chains, rows = [], []
+    for t, leaf in sources:
+      tree = forest.trees[t]
+      path = tree.path(tree.leaves[leaf].node)
+      chain = RolloutTree(nodes=[], meta={})
+      lp, ent, mask = [], [], []
+      for j, i in enumerate(path):
+        n = tree.nodes[i]
+        chain.nodes.append(Node(parent=j - 1, kind=n.kind, tokens=list(n.tokens),
+                                logprobs=n.logprobs, step=n.step))
+        lp.append(np.asarray(scores[t].logprobs[i], np.float64))
+        ent.append(np.asarray(scores[t].entropies[i], np.float64))
+        policy = n.kind == NodeKind.POLICY
+        mask.append(np.array([policy and tok not in skip and keep_token(tok)
+                              for tok in n.tokens], bool))
+      chain.add_leaf(len(path) - 1, {"outcome": 0.0}, tag=LeafTag.INIT)
+      chains.append(chain)
+      rows.append((np.concatenate(lp), np.concatenate(ent), np.concatenate(mask)))
+    batch = pack(chains, _CHAIN_BUCKETS, check=False)
+    n_rows, length = batch.tokens.shape
+    arr = lambda j, dtype: np.stack(
+        [np.pad(r[j], (0, length - len(r[j]))).astype(dtype) for r in rows]
+        + [np.zeros(length, dtype)] * (n_rows - len(rows)))
+    # Only the scoring fields of the config and a bucketed B reach the compiled
+    # program: the first B of the top-2^k points are the top-B (spec §2.4 E4).
+    scoring = dataclasses.replace(self.config, n_init=1, budget=1)
+    points = _top_points(batch, jnp.asarray(arr(0, np.float32)), jnp.asarray(arr(1, np.float32)),
+                         jnp.asarray(arr(2, bool)), scoring, 1 << (num_points - 1).bit_length())
+    return [[int(p) for p in row[:num_points]] for row in np.asarray(points)[:len(rows), 0, :]]
+
+  def _token_filter(self, forest: Forest) -> Callable[[int], bool]:
+    if not self.skip_punctuation:
+      return lambda tok: True
+    memo: dict[int, bool] = {}
+
+    def keep(tok: int) -> bool:
+      if tok not in memo:
+        memo[tok] = any(ch.isalnum() for ch in forest.chat.decode([tok]))
+      return memo[tok]
+
+    return keep

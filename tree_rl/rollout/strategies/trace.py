@@ -1,0 +1,179 @@
+"""TRACE's two-stage rollout allocation (specs/trace.md §1.2, §1.4-1.7, §3).
+
+Stage 1, global root allocation (Eqs. 12-13). A success predictor scores every
+prompt of the call, v_i = V(x_i); `tree_rl.algos.trace.allocate_roots` solves
+    max sum_i 1 - v_i^{m_i} - (1 - v_i)^{m_i}   s.t.  sum_i m_i = M,  m_i in {0} U {2, 3, ...}
+exactly, and prompt i gets m_i bare rollouts (tagged INIT). m_i = 0 skips the
+prompt: `AgentLoop.rollout` returns no tree for it and lists it in
+`RolloutStats.skipped_tasks`. M = round(roots_per_task * #prompts).
+
+Stage 2, local prefix expansion (Eqs. 14-16). The anchors of an active prompt
+are the non-root, non-terminal turn prefixes of its bare rollouts: for every
+rollout j and turn t < T_j, the history H_{j,t} that ends with the tool reply of
+turn t (Eq. 7; each occurrence counts). With r_j the rollout's reward clipped
+to [0, 1] and q = r_j V(H) + (1 - r_j)(1 - V(H)) the probability that a new
+continuation repeats it, `allocate_prefixes` spreads m_i * N continuations
+greedily by marginal gain q^K (1 - q) (exact: each term is concave). A
+continuation restarts turn t + 1 from the anchor (a sibling of the factual next
+step, tagged BRANCH) and runs to the end under the loop's turn limit; it is
+never expanded again (one expansion round, App. E.5). A prompt with no anchor
+(every bare rollout ended after one turn) spends its budget on
+ceil(continuation_cost * m_i * N) extra root rollouts instead (§1.7: a
+continuation costs half a rollout; the paper leaves the conversion open).
+
+The predictor is an interface, `SuccessPredictor.predict(task_ids, prefixes)`,
+so the trainer can plug in a learned value head over the serialized prefix
+tokens. `RunningMeanPredictor` is the simple one shipped here: a per-task
+running mean of past success rates (prefix-blind). After the rollout the
+strategy calls `predictor.update(trees)` (TRACE trains the predictor after each
+step and uses it on the next).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from tree_rl.algos.trace import allocate_prefixes, allocate_roots, flip_probability
+from tree_rl.rollout.branching import Branch, Forest
+from tree_rl.rollout.strategies.base import register
+from tree_rl.tree.rollout_tree import RolloutTree
+from tree_rl.tree.types import LeafTag, NodeKind
+
+
+def success(reward: float) -> float:
+  """A leaf's reward as a success in [0, 1]: clip(r, 0, 1).
+
+  +1/0/-1 (tool world) becomes 1/0/0, 0/1 stays, an F1 reward interpolates
+  (spec §6.1).
+  """
+  return float(min(max(reward, 0.0), 1.0))
+
+
+@runtime_checkable
+class SuccessPredictor(Protocol):
+  """V(H): the probability that a rollout continuing from prefix H succeeds (Eq. 17)."""
+
+  def predict(self, task_ids: Sequence[str], prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+    """[A] probabilities for A (task id, context tokens) pairs; a root's prefix is its prompt."""
+    ...
+
+  def update(self, trees: Sequence[RolloutTree]) -> None:
+    """Learns from finished trees (each with meta["task_id"])."""
+    ...
+
+
+class RunningMeanPredictor:
+  """Per-task running mean of past success rates, shrunk towards a prior.
+
+    V(task) = (sum of successes + prior * prior_weight) / (count + prior_weight)
+
+  It ignores the prefix (every anchor of a task gets the task's rate), so stage
+  2 ranks anchors by their rollout's reward only. `update` counts the INIT
+  leaves: continuations are placed where a flip was likely, so their mean is
+  biased away from the prompt's success rate (Eq. 18 would average all leaves).
+
+  Args:
+    prior: the rate of an unseen task (0.5: the most uncertain).
+    prior_weight: pseudo-count of the prior.
+  """
+
+  def __init__(self, prior: float = 0.5, prior_weight: float = 1.0):
+    if not 0.0 <= prior <= 1.0 or prior_weight <= 0:
+      raise ValueError(f"RunningMeanPredictor: prior in [0, 1] and prior_weight > 0, got "
+                       f"{prior}, {prior_weight}")
+    self.prior, self.prior_weight = prior, prior_weight
+    self.total: dict[str, float] = collections.defaultdict(float)
+    self.count: dict[str, float] = collections.defaultdict(float)
+
+  def predict(self, task_ids: Sequence[str], prefixes: Sequence[Sequence[int]]) -> np.ndarray:
+    del prefixes  # prefix-blind
+    w = self.prior_weight
+    return np.array([(self.total.get(i, 0.0) + self.prior * w) / (self.count.get(i, 0.0) + w)
+                     for i in task_ids], np.float64)
+
+  def update(self, trees: Sequence[RolloutTree]) -> None:
+    for tree in trees:
+      task_id = tree.meta["task_id"]
+      for leaf in tree.leaves:
+        if leaf.tag == LeafTag.INIT:
+          self.total[task_id] += success(leaf.rewards["outcome"])
+          self.count[task_id] += 1.0
+
+
+@register("trace")
+@dataclasses.dataclass
+class TRACEStrategy:
+  """Attributes:
+    roots_per_task: M / #prompts (2.0: the paper's M = 1024 roots for 512
+      candidates, and 512 for 256).
+    continuations_per_root: N, continuation budget per root rollout (2, STATED).
+    max_roots_per_task: optional cap on m_i (none in the paper).
+    continuation_cost: rollouts one continuation costs, for the no-anchor
+      fallback (0.5, App. E.5).
+    predictor: the success predictor; None builds a RunningMeanPredictor.
+    update_predictor: call predictor.update(trees) after the rollout.
+  """
+
+  roots_per_task: float = 2.0
+  continuations_per_root: int = 2
+  max_roots_per_task: int | None = None
+  continuation_cost: float = 0.5
+  predictor: SuccessPredictor | None = None
+  update_predictor: bool = True
+
+  def __post_init__(self):
+    if self.roots_per_task <= 0 or self.continuations_per_root < 0:
+      raise ValueError("TRACEStrategy: roots_per_task must be > 0 and continuations_per_root >= 0")
+    if self.predictor is None:
+      self.predictor = RunningMeanPredictor()
+
+  def leaves_per_task(self) -> int | None:
+    """Average leaves per prompt, M (1 + N) / #prompts, when it is an integer."""
+    avg = self.roots_per_task * (1 + self.continuations_per_root)
+    return int(round(avg)) if abs(avg - round(avg)) < 1e-9 else None
+
+  def grow(self, forest: Forest) -> None:
+    trees, tasks = forest.trees, forest.tasks
+    # ---- Stage 1: global root allocation (Eqs. 12-13) ----
+    ids = [task.task_id for task in tasks]
+    v = np.asarray(self.predictor.predict(ids, [tree.nodes[0].tokens for tree in trees]))
+    m = allocate_roots(v, int(round(self.roots_per_task * len(tasks))), self.max_roots_per_task)
+    for tree, vi, mi in zip(trees, v, m):
+      tree.meta["trace_root_value"], tree.meta["trace_roots"] = float(vi), int(mi)
+    forest.run([b for t, mi in enumerate(m) for b in forest.start(t, int(mi))])
+    # ---- Stage 2: local prefix expansion (Eqs. 14-16) ----
+    cont: list[Branch] = []
+    for t, mi in enumerate(m):
+      if mi > 0:
+        cont.extend(self._expand(forest, t, int(mi) * self.continuations_per_root))
+    forest.run(cont)
+    if self.update_predictor:
+      self.predictor.update([tree for tree in trees if tree.leaves])
+
+  def _expand(self, forest: Forest, t: int, budget: int) -> list[Branch]:
+    tree = forest.trees[t]
+    anchors = []  # (the factual next policy node, the anchor's env node, r_j)
+    for leaf in tree.leaves:
+      if leaf.tag != LeafTag.INIT:
+        continue
+      path = tree.path(leaf.node)
+      for a, c in zip(path, path[1:]):
+        if tree.nodes[a].kind == NodeKind.ENV and tree.nodes[c].kind == NodeKind.POLICY:
+          anchors.append((c, a, success(leaf.rewards["outcome"])))
+    tree.meta["trace_anchors"] = len(anchors)
+    if budget == 0:
+      return []
+    if not anchors:
+      return forest.start(t, math.ceil(self.continuation_cost * budget), LeafTag.BRANCH)
+    v = self.predictor.predict([tree.meta["task_id"]] * len(anchors),
+                               [tree.context(a) for _, a, _ in anchors])
+    q = flip_probability(np.array([r for _, _, r in anchors]), np.asarray(v))
+    counts = allocate_prefixes(q, budget)
+    return [forest.branch_at(t, c, 0, LeafTag.BRANCH)
+            for (c, _, _), k in zip(anchors, counts) for _ in range(int(k))]
