@@ -27,6 +27,9 @@ CORE = [
     "reasoning-gym>=0.1.25,<0.2",
     "math-verify>=0.7,<1",
     "bm25s>=0.2,<0.4",
+    # Trainer feedback: TensorBoard event files and the end-of-run curves PNG.
+    "tensorboardX>=2.6,<3",
+    "matplotlib>=3.7,<4",
 ]
 
 EXTRAS = {

@@ -1,31 +1,44 @@
-"""Main training job: `python launch/train.py --config=configs/apppo.py`.
+"""Main training job: `python launch/train.py --config=configs/apppo.py --workdir=/tmp/run`.
 
-The trainer (`tree_rl.train.train_and_evaluate`) is built in the end-to-end
-issue; until it lands this entry point says so and exits with status 1 rather
-than pretending to train.
+Ablations go after the config file (`--config=configs/apppo.py:task=math,runlocal`) or as
+overrides (`--config.optim.lr=3e-6`). All logic lives in `tree_rl.train.train_and_evaluate`,
+which the tests and notebooks call too.
 """
 
-import importlib.util
+import os
+import pathlib
 import sys
 
+# The configs import `configs.common`; they live beside this folder, not in the package.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-def main() -> int:
-  try:
-    spec = importlib.util.find_spec("tree_rl.train")
-  except ModuleNotFoundError:
-    print("tree_rl is not installed: run `pip install -e .` from the repository root.",
-          file=sys.stderr)
-    return 1
-  if spec is None:
-    print(
-        "tree_rl: the trainer (tree_rl.train.train_and_evaluate) is not yet available.\n"
-        "Available now: rollout trees, TreeBatch packing and every advantage estimator\n"
-        "(see README.md, 'What works today'); run the tests or benchmarks/advantages.py.",
-        file=sys.stderr,
-    )
-    return 1
-  raise RuntimeError("launch/train.py must be rewritten to call tree_rl.train")
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, evals); "
+                               "default: ./runs/<config name>.")
+_PLATFORM = flags.DEFINE_string("jax_platform", "", "Force a JAX platform (cpu, gpu, tpu).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  del argv
+  if not flags.FLAGS["verbosity"].present:  # Orbax logs every file it renames at INFO
+    logging.set_verbosity(logging.WARNING)
+  if _PLATFORM.value:
+    os.environ["JAX_PLATFORMS"] = _PLATFORM.value
+  import jax
+
+  from tree_rl import train
+
+  jax.config.update("jax_default_matmul_precision", "highest")
+  workdir = _WORKDIR.value or os.path.join(
+      "runs", pathlib.Path(flags.FLAGS["config"].config_filename).stem)
+  logging.info("JAX devices: %s; workdir %s", jax.devices(), workdir)
+  train.train_and_evaluate(_CONFIG.value, workdir)
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  app.run(main)

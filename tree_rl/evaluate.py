@@ -235,3 +235,51 @@ def replay_oracle_policy(tasks: Sequence[Task]) -> Policy:
     return [next_step(c) for c in conversations]
 
   return policy
+
+
+def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: int | None = None,
+                           seed: int | None = None, max_new_tokens: int | None = None,
+                           max_context_tokens: int = 4096, rows: int | None = None,
+                           max_turns: int | None = None) -> EvalReport:
+  """Greedy evaluation of a run directory's latest checkpoint or of an HF folder.
+
+  Run directories default to their own task family, held-out size, seed and step
+  length, so the numbers match the trainer's own evaluation of that checkpoint.
+  """
+  import pathlib
+
+  from transformers import AutoTokenizer
+
+  from tree_rl.envs import make_family
+  from tree_rl.models import hf_io
+  from tree_rl.rollout.chat import ChatFormat
+  from tree_rl.rollout.engine import SamplingParams
+  from tree_rl.rollout.jax_sampler import JaxSampler
+  from tree_rl.rollout.policy import engine_policy
+  from tree_rl.train import restore_policy
+
+  path = pathlib.Path(model)
+  family_kwargs = {}
+  if (path / "checkpoints").is_dir():
+    policy, tokenizer, cfg = restore_policy(model)
+    task = task or cfg.task.family
+    family_kwargs = dict(cfg.task.kwargs) if task == cfg.task.family else {}
+    num_tasks = num_tasks or cfg.task.num_eval_tasks
+    seed = cfg.task.seed if seed is None else seed
+    max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
+    max_context_tokens = cfg.rollout.max_context_tokens
+    max_turns = max_turns or cfg.rollout.max_turns or None
+    rows = rows or cfg.rollout.cache_rows
+  elif (path / "config.json").is_file():
+    policy = hf_io.load_hf(path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+  else:
+    raise FileNotFoundError(f"--model={model} is neither a run directory (checkpoints/) nor an "
+                            f"HF folder (config.json)")
+  family = make_family(task or "toolworld", **family_kwargs)
+  tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
+  chat = ChatFormat.from_tokenizer(tokenizer)
+  engine = JaxSampler(policy, rows=rows or 16, slots=max_context_tokens, tokenizer=tokenizer,
+                      eos_ids=chat.eos_ids)
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or 160)
+  return evaluate(family, tasks, engine_policy(engine, chat, greedy), max_turns=max_turns)

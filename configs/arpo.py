@@ -1,0 +1,18 @@
+"""ARPO's advantage (GRPO over every leaf of the tree) on the tool world.
+
+Command: python launch/train.py --config=configs/arpo.py --workdir=/tmp/arpo
+Ablations: :runlocal.
+Hardware: a 2-core CPU runs the default.
+Expected metric: eval/accuracy vs GRPO (not yet measured).
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+  arg = common.parse_arg(arg, **common.COMMON_ARGS, group=4)
+  c = common.base_config()
+  c.algo.estimator = "arpo"
+  c.rollout.strategy = "arpo"
+  c.rollout.samples_per_task = arg.group
+  return common.apply_common_args(c, arg)

@@ -1,0 +1,91 @@
+"""Shared pieces of the experiment configs.
+
+`parse_arg(arg, **defaults)` reads the `:key=value,flag` suffix of `--config`
+(e.g. `--config=configs/apppo.py:model=tiny,steps=4,runlocal`): values are cast
+to the type of their default, a bare key sets a boolean to True, and an unknown
+key fails listing the valid ones. `base_config()` holds every section with its
+defaults; each experiment file overrides what its paper sets.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+  out = ml_collections.ConfigDict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, eq, value = item.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"config argument {key!r} is not known; valid: {sorted(defaults)}")
+    default = defaults[key]
+    if not eq:
+      if not isinstance(default, bool):
+        raise ValueError(f"config argument {key!r} needs a value ({key}=...)")
+      out[key] = True
+    elif isinstance(default, bool):
+      if value.lower() not in ("true", "false", "1", "0"):
+        raise ValueError(f"config argument {key}={value!r}: expected true or false")
+      out[key] = value.lower() in ("true", "1")
+    else:
+      out[key] = type(default)(value)
+  return out
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Every section with tree_rl's defaults (see tree_rl/config_types.py for the meaning)."""
+  c = ml_collections.ConfigDict()
+  c.model = dict(name="smollm2", hf_folder="", lora_rank=8, lora_alpha=16.0,
+                 lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), dtype="float32",
+                 remat=False, tiny_overrides={})
+  c.task = dict(family="toolworld", kwargs={}, num_train_tasks=256, num_eval_tasks=32, seed=0)
+  c.rollout = dict(engine="jax", strategy="flat", strategy_kwargs={}, samples_per_task=4,
+                   max_turns=0, max_new_tokens=160, temperature=1.0, top_p=1.0, top_k=0,
+                   max_context_tokens=4096, cache_rows=16, vllm_python="")
+  c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1)
+  c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
+  c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
+  c.profile = dict(mode="", start_step=1, num_steps=1)
+  c.num_steps = 10
+  c.prompts_per_step = 4
+  c.eval_every_steps = 0
+  c.ckpt_every_steps = 5
+  c.keep_checkpoints = 2
+  c.seed = 0
+  c.resume = ""
+  return c
+
+
+def apply_common_args(c: ml_collections.ConfigDict, arg: ml_collections.ConfigDict
+                      ) -> ml_collections.ConfigDict:
+  """The arguments every config accepts: model, task, steps, runlocal."""
+  c.model.name = arg.model
+  c.task.family = arg.task
+  if arg.steps:
+    c.num_steps = arg.steps
+  if arg.runlocal:
+    runlocal(c)
+    if arg.steps:
+      c.num_steps = arg.steps
+  return c
+
+
+COMMON_ARGS = dict(model="smollm2", task="toolworld", steps=0, runlocal=False)
+
+
+def runlocal(c: ml_collections.ConfigDict) -> None:
+  """Shrinks everything so a run finishes on a CPU in about a minute (tests, smoke runs)."""
+  c.model.name = "tiny"
+  c.model.tiny_overrides = dict(num_hidden_layers=1)
+  c.task.num_train_tasks, c.task.num_eval_tasks = 8, 2
+  c.rollout.samples_per_task = 2
+  c.rollout.max_turns = 2
+  c.rollout.max_new_tokens = 8
+  c.rollout.max_context_tokens = 4096
+  c.rollout.cache_rows = 4
+  c.prompts_per_step = 2
+  c.num_steps = 2
+  c.ckpt_every_steps = 1
+  c.sft.steps = min(c.sft.steps, 1)
+  c.sft.tasks_per_step = 2

@@ -1,0 +1,23 @@
+"""PORTool: tree rollouts with fork factor f, step rewards (max/avg rule, gamma),
+formatting rescale, A_trj + A_fork with the Theorem 3.1 weights (specs/portool.md).
+
+Command: python launch/train.py --config=configs/portool.py --workdir=/tmp/portool
+Ablations: :n=8 (trajectories per prompt) ; :runlocal.
+Hardware: a 2-core CPU runs the default.
+Expected metric: eval/accuracy and eval/avg_formatting_raw (not yet measured).
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+  arg = common.parse_arg(arg, **common.COMMON_ARGS, n=4)
+  c = common.base_config()
+  c.algo.estimator = "portool"
+  c.rollout.strategy = "portool"
+  c.rollout.samples_per_task = arg.n
+  c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=5)  # f = 2, T_max = 5 (spec §3.4)
+  c = common.apply_common_args(c, arg)
+  if arg.runlocal:
+    c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=2)
+  return c

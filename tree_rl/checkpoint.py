@@ -1,0 +1,95 @@
+"""Checkpoints of the whole run: train state, RNG, data position and method state.
+
+Resume order (the trainer applies the first that exists):
+  1. a checkpoint in `<workdir>/checkpoints`: the run continues where it stopped;
+  2. `config.resume`: another run's checkpoint directory (its latest step);
+  3. `config.model.init_from_hf`: an HF folder's weights with a fresh optimizer;
+  4. the configured model from scratch (the default SmolLM2 package, or a tiny
+     random model for `runlocal`).
+
+The train state is saved as its flat list of array leaves (keys `00000`,
+`00001`, ...) and restored into the leaves of a freshly built state of the same
+configuration, so the NNX graph, the optimizer's pytree structure and the
+shardings come from code, not from the checkpoint. A checkpoint written by a
+different configuration (other model, LoRA rank, optimizer) fails with an
+error that names the first mismatching leaf. Everything that is not an array
+(RNG key data, data position, method state, metrics) travels as JSON.
+Orbax writes each step to a temporary directory and renames it when complete,
+so a crash mid-save leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+def _leaf_dict(tree: Any) -> dict[str, Any]:
+  return {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
+
+
+class RunCheckpointer:
+  """Saves and restores (train state, JSON metadata) pairs by step.
+
+  Args:
+    directory: where checkpoints live (created if missing).
+    keep_last: how many recent checkpoints to keep.
+  """
+
+  def __init__(self, directory: str | pathlib.Path, keep_last: int = 2):
+    if keep_last < 1:
+      raise ValueError(f"keep_last={keep_last} must be >= 1")
+    self.directory = pathlib.Path(directory).absolute()
+    # Handlers are registered up front so a fresh process can read a checkpoint's
+    # metadata before restoring it (the configuration check below).
+    self.manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep_last, create=True),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+    """Writes step `step` and waits until it is on disk."""
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_leaf_dict(state)), meta=ocp.args.JsonSave(meta)))
+    self.manager.wait_until_finished()
+
+  def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """(state with `target`'s structure and the saved leaves, metadata) of `step` (default latest).
+
+    Raises:
+      FileNotFoundError: no checkpoint in the directory.
+      ValueError: the checkpoint was written by a different configuration.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    leaves, treedef = jax.tree.flatten(target)
+    saved = self.manager.item_metadata(step)["state"]
+    if len(saved) != len(leaves):
+      raise ValueError(
+          f"checkpoint {self.directory}/{step} holds {len(saved)} arrays but this configuration "
+          f"has {len(leaves)}: it was written by another model, LoRA or optimizer setting; "
+          f"use a fresh --workdir or the same config")
+    for key, leaf in zip(sorted(saved), leaves):
+      shape = tuple(getattr(saved[key], "shape", ()))
+      if shape != tuple(np.shape(leaf)):
+        raise ValueError(f"checkpoint {self.directory}/{step}: array {key} has shape {shape}, "
+                         f"this configuration expects {tuple(np.shape(leaf))}; use a fresh "
+                         f"--workdir or the same config")
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+                for k, x in _leaf_dict(target).items()}
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    state = jax.tree.unflatten(treedef, [out["state"][k] for k in sorted(out["state"])])
+    return state, dict(out["meta"])
+
+  def close(self) -> None:
+    self.manager.wait_until_finished()
+    self.manager.close()

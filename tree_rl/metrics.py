@@ -1,0 +1,96 @@
+"""Metrics: a JSONL log of every metric, TensorBoard event files, a console progress line,
+phase timers, and the end-of-run summary table and curves PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Iterator, Mapping
+
+
+class MetricWriter:
+  """Writes `{step, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard scalars."""
+
+  def __init__(self, workdir: str | pathlib.Path, total_steps: int):
+    self.workdir = pathlib.Path(workdir)
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self.jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
+    from tensorboardX import SummaryWriter  # imported late: slow, and only the trainer needs it
+    self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
+    self.total, self.t0, self.history = total_steps, time.time(), []
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    row = {"step": int(step)}
+    for k, v in metrics.items():
+      v = float(v)
+      row[k] = v if math.isfinite(v) else str(v)
+      if math.isfinite(v):
+        self.tb.add_scalar(k, v, step)
+    self.jsonl.write(json.dumps(row) + "\n")
+    self.jsonl.flush()
+    self.tb.flush()
+    self.history.append(row)
+
+  def progress(self, step: int, done: int, text: str) -> None:
+    """One console line with rate and ETA (`done` steps finished in this process)."""
+    elapsed = time.time() - self.t0
+    rate = done / elapsed if elapsed > 0 else 0.0
+    eta = (self.total - step) / rate if rate > 0 else float("nan")
+    print(f"[step {step}/{self.total}] {text} | {rate * 60:.2f} steps/min, ETA {eta:.0f}s",
+          file=sys.stderr, flush=True)
+
+  def close(self) -> None:
+    self.jsonl.close()
+    self.tb.close()
+
+
+class PhaseTimer:
+  """Accumulates wall time per phase: `with timer("rollout"): ...` -> time/rollout."""
+
+  def __init__(self):
+    self.totals: dict[str, float] = {}
+
+  @contextlib.contextmanager
+  def __call__(self, name: str) -> Iterator[None]:
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t
+
+  def pop(self) -> dict[str, float]:
+    out = {f"time/{k}": v for k, v in self.totals.items()}
+    self.totals = {}
+    return out
+
+
+def summary_table(rows: Mapping[str, Mapping[str, float]], keys: list[str]) -> str:
+  """A fixed-width table: one row per stage (e.g. base / sft / rl), one column per key."""
+  width = max([len(k) for k in keys] + [8])
+  head = f"{'stage':<8} " + " ".join(f"{k:>{width}}" for k in keys)
+  lines = [head, "-" * len(head)]
+  for stage, m in rows.items():
+    lines.append(f"{stage:<8} " + " ".join(f"{m.get(k, float('nan')):>{width}.4f}" for k in keys))
+  return "\n".join(lines)
+
+
+def plot_curves(history: list[dict], path: str | pathlib.Path, keys: list[str]) -> None:
+  """A PNG with one panel per metric key over steps (rows lacking a key are skipped)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.2), squeeze=False)
+  for ax, key in zip(axes[0], keys):
+    pts = [(r["step"], r[key]) for r in history if isinstance(r.get(key), float)]
+    if pts:
+      ax.plot(*zip(*pts), marker="o", ms=3)
+    ax.set_title(key)
+    ax.set_xlabel("step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)

@@ -1,0 +1,302 @@
+"""`train_and_evaluate(config, workdir)`: the one training entry (CLI, tests, notebooks).
+
+Per step: grow one tree per prompt with the agent loop -> rewards (the family's
+verifier on each leaf, the formatting rubric on each step) -> pack -> the jitted
+`update_step` (advantages by the configured estimator, PPO epochs x minibatches)
+-> weight sync to the rollout engine -> periodic eval and checkpoint. Before RL,
+an optional SFT warm start trains on the family's oracle trajectories, masked
+exactly like RL. Held-out accuracy is measured on the base model, after SFT and
+after RL, and the three are printed as a table at the end.
+
+The sections below keep the same banners in every trainer (STYLE.md P7).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import signal
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from tree_rl import metrics as metrics_lib
+from tree_rl.algos import ppo, registry, sft
+from tree_rl.checkpoint import RunCheckpointer
+from tree_rl.config_types import ModelSpec, RunConfig
+from tree_rl.envs import make_family
+from tree_rl.evaluate import evaluate
+from tree_rl.models import Decoder, LoRAConfig, ModelConfig
+from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
+from tree_rl.rollout.chat import ChatFormat
+from tree_rl.rollout.engine import SamplingParams
+from tree_rl.rollout.jax_sampler import JaxSampler
+from tree_rl.rollout.policy import engine_policy, oracle_engine
+from tree_rl.rollout.strategies import make_strategy, model_scorer
+from tree_rl.tree.batch import Buckets, pack
+
+EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
+             "avg_formatting_raw"]
+
+
+def build_policy(spec: ModelSpec, seed: int) -> tuple[Decoder, Any]:
+  """(model, tokenizer) for the model section; fails before any compile when unavailable."""
+  from transformers import AutoTokenizer
+
+  from tree_rl.models import gguf_import, hf_io
+
+  lora = (LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha,
+                     target_modules=tuple(spec.lora_targets)) if spec.lora_rank else None)
+  if spec.name == "hf":
+    folder = pathlib.Path(spec.hf_folder)
+    if not (folder / "config.json").is_file():
+      raise FileNotFoundError(f"config.model.hf_folder={spec.hf_folder!r} holds no config.json")
+  else:
+    # smollm2 and tiny both use SmolLM2's tokenizer and chat template.
+    folder = gguf_import.default_model_dir()
+  tokenizer = AutoTokenizer.from_pretrained(str(folder))
+  if spec.name == "tiny":
+    config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
+                              **dict(spec.tiny_overrides))
+    model = Decoder(config, rngs=nnx.Rngs(seed), lora=lora, remat=spec.remat)
+  else:
+    model = hf_io.load_hf(folder, dtype=spec.dtype, lora=lora, remat=spec.remat, seed=seed)
+  return model, tokenizer
+
+
+def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
+  """The branching strategy with the run's group size and, for APPO, the current policy."""
+  r, kw = cfg.rollout, dict(cfg.rollout.strategy_kwargs)
+  if r.strategy in ("flat", "portool"):
+    kw.setdefault("n", r.samples_per_task)
+  elif r.strategy == "appo":
+    if cfg.algo.estimator == "appo":  # one APPOConfig for the branching and the advantages
+      kw.setdefault("config", estimator_config)
+    kw.setdefault("current_logprobs", model_scorer(policy_model))
+  elif r.strategy == "arpo":
+    kw.setdefault("initial_rollouts", r.samples_per_task)
+    kw.setdefault("budget", 2 * r.samples_per_task)
+  if r.strategy in ("portool", "appo", "arpo", "random"):
+    kw.setdefault("seed", cfg.seed)
+  return make_strategy(r.strategy, **kw)
+
+
+def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
+  o = cfg.optim
+  schedule = (optax.linear_schedule(0.0, lr, o.warmup_steps) if o.warmup_steps else lr)
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip),
+                     optax.adamw(schedule, weight_decay=o.weight_decay))
+
+
+def _pack(trees, buckets: Buckets):
+  """Packs the trees that have leaves (a tree can lose every episode to a full context)."""
+  kept = [t for t in trees if t.leaves]
+  return (pack(kept, buckets) if kept else None), len(trees) - len(kept)
+
+
+class _StopFlag:
+  """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and returns at the next step."""
+
+  def __init__(self):
+    self.set = False
+    self._old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      try:
+        self._old[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread (e.g. a notebook worker): no handler
+        pass
+
+  def _handle(self, signum, frame):
+    del frame
+    logging.warning("signal %d: saving a checkpoint and stopping after this step", signum)
+    self.set = True
+
+  def restore(self):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+
+
+def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
+  """Runs the configured experiment in `workdir`; returns the final metrics.
+
+  Returns:
+    {"eval": {"base"|"sft"|"rl": eval metrics}, "steps": last step, "history": rows}.
+  """
+  # ============================== Setup ==============================
+  cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile
+  workdir_path = pathlib.Path(workdir)
+  workdir_path.mkdir(parents=True, exist_ok=True)
+  (workdir_path / "config.json").write_text(json.dumps(
+      config.to_dict() if hasattr(config, "to_dict") else dict(config), indent=2, default=str))
+  family = make_family(cfg.task.family, **cfg.task.kwargs)
+  if cfg.rollout.engine != "jax":
+    raise ValueError(f"config.rollout.engine={cfg.rollout.engine!r}: this trainer drives the "
+                     f"embedded 'jax' engine; vLLM workers are not wired into it yet")
+  train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
+  eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
+  writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps)
+  timer = metrics_lib.PhaseTimer()
+
+  # ============================== Policy, reference & optimizer ==============================
+  model, tokenizer = build_policy(cfg.model, cfg.seed)
+  chat = ChatFormat.from_tokenizer(tokenizer)
+  optimizer = _optimizer(cfg.optim.lr, cfg)
+  loss_config = cfg.algo.loss_config()
+  state = ppo.init_state(model, optimizer, with_ref=loss_config.kl_coef > 0)
+  ppo_config = ppo.PPOConfig(
+      loss=loss_config, estimator=cfg.algo.estimator,
+      estimator_config=registry.make_config(cfg.algo.estimator, **cfg.algo.estimator_kwargs),
+      num_epochs=cfg.algo.num_epochs, num_minibatches=cfg.algo.num_minibatches)
+
+  # ============================== Restore ==============================
+  # Order: this workdir's checkpoint > config.resume > the configured model (see checkpoint.py).
+  ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)
+  meta: dict[str, Any] = {"step": 0, "data_position": 0, "eval": {}, "sft_done": False}
+  source = ckpt if ckpt.latest_step() is not None else (
+      RunCheckpointer(cfg.resume) if cfg.resume else None)
+  if source is not None:
+    state, meta = source.restore(state)
+    logging.info("resumed from %s at step %d", source.directory, meta["step"])
+
+  # ============================== Rollout workers & weight sync ==============================
+  r = cfg.rollout
+  engine = JaxSampler(state.model(), rows=r.cache_rows, slots=r.max_context_tokens,
+                      tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
+  sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=r.max_new_tokens)
+  # The strategy scores branch points with the current policy: a model whose
+  # variables are updated in place after every step.
+  policy_model = state.model()
+  strategy = _strategy(cfg, ppo_config.estimator_config, policy_model)
+  agent = AgentLoop(engine, chat, family, AgentConfig(
+      samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
+      max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy)
+  buckets = Buckets(trees=(cfg.prompts_per_step,))
+
+  # ============================== Update step ==============================
+  update_step = ppo.jit_update_step(ppo_config, optimizer)
+
+  # ============================== Evaluators ==============================
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
+
+  def run_eval(stage: str, step: int) -> dict[str, float]:
+    with timer("eval"):
+      report = evaluate(family, eval_tasks, engine_policy(engine, chat, greedy),
+                        max_turns=r.max_turns or None)
+    m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
+    meta["eval"][stage] = m
+    writer.write(step, {f"eval/{k}": v for k, v in m.items()})
+    report.to_json(str(workdir_path / f"eval_{stage}.json"))
+    return m
+
+  stop = _StopFlag()
+  try:
+    if "base" not in meta["eval"]:
+      run_eval("base", 0)
+
+    # ============================== SFT warm start ==============================
+    if cfg.sft.steps and not meta["sft_done"]:
+      sft_opt = _optimizer(cfg.sft.lr, cfg)
+      sft_state = state.replace(opt_state=sft_opt.init(state.params))
+      sft_step = jax.jit(sft.make_sft_step(sft_opt), donate_argnums=0)
+      teacher = AgentLoop(oracle_engine(train_tasks, chat), chat, family, AgentConfig(
+          samples_per_task=1, max_turns=r.max_turns or None,
+          max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
+      n = cfg.sft.tasks_per_step
+      sft_buckets = Buckets(trees=(n,))
+      for i in range(cfg.sft.steps):
+        tasks = [train_tasks[(i * n + j) % len(train_tasks)] for j in range(n)]
+        batch, _ = _pack(teacher.rollout(tasks), sft_buckets)
+        sft_state, m = sft_step(sft_state, batch)
+        writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
+      state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
+      engine.update_weights(state.model())
+      nnx.update(policy_model, nnx.state(state.model()))
+      meta["sft_done"] = True
+      run_eval("sft", 0)
+
+    # ============================== Train loop ==============================
+    start, done = int(meta["step"]), 0
+    base_key = jax.random.key(cfg.seed)
+    for step in range(start + 1, cfg.num_steps + 1):
+      prof = cfg.profile
+      if prof.mode and step == prof.start_step:
+        jax.profiler.start_trace(str(workdir_path / "profile"))
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        pos = int(meta["data_position"])
+        tasks = [train_tasks[(pos + j) % len(train_tasks)] for j in range(cfg.prompts_per_step)]
+        meta["data_position"] = pos + cfg.prompts_per_step
+        # Sampling depends only on (seed, step), so a resumed run samples the same trees.
+        engine.reseed(jax.random.fold_in(base_key, step))
+        with timer("rollout"):
+          trees = agent.rollout(tasks)
+        batch, n_empty = _pack(trees, buckets)
+        row: dict[str, float] = {}
+        if batch is not None:
+          with timer("update"):
+            state, m = update_step(state, batch, jax.random.fold_in(base_key, 10**6 + step))
+            m = jax.device_get(m)
+          row.update({k: float(np.asarray(v)) for k, v in m.items()})
+          for k in ("loss", "l2_grads"):
+            if k in row and not np.isfinite(row[k]):
+              raise FloatingPointError(f"step {step}: {k}={row[k]} is not finite")
+        with timer("weight_sync"):
+          current = state.model()
+          engine.update_weights(current)
+          nnx.update(policy_model, nnx.state(current))
+      if prof.mode and step == prof.start_step + prof.num_steps - 1:
+        jax.profiler.stop_trace()
+      leaves = [leaf for t in trees for leaf in t.leaves]
+      stats = agent.last_stats
+      row.update({
+          "reward/outcome_mean": float(np.mean([lf.rewards["outcome"] for lf in leaves]))
+          if leaves else float("nan"),
+          "rollout/truncated_frac": stats.num_truncated / max(stats.num_episodes, 1),
+          "rollout/policy_tokens": float(stats.num_policy_tokens),
+          "rollout/empty_trees": float(n_empty), **timer.pop()})
+      meta["step"] = step
+      writer.write(step, row)
+      done += 1
+      writer.progress(step, done, f"reward {row['reward/outcome_mean']:+.3f}")
+      if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.num_steps:
+        run_eval(f"step{step}", step)
+      if step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set:
+        ckpt.save(step, state, meta)
+      if stop.set:
+        break
+
+    if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
+      run_eval("rl", cfg.num_steps)
+      ckpt.save(cfg.num_steps, state, meta)
+  finally:
+    stop.restore()
+    ckpt.close()
+    writer.close()
+
+  # ============================== Summary ==============================
+  print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)
+  metrics_lib.plot_curves(writer.history, workdir_path / "curves.png",
+                          ["reward/outcome_mean", "eval/accuracy"])
+  return {"eval": meta["eval"], "steps": int(meta["step"]), "history": writer.history,
+          "state": state}
+
+
+def restore_policy(workdir: str, step: int | None = None) -> tuple[Decoder, Any, RunConfig]:
+  """(policy at `step` (default: latest), tokenizer, run config) of a training run's workdir."""
+  workdir_path = pathlib.Path(workdir)
+  if not (workdir_path / "config.json").is_file():
+    raise FileNotFoundError(f"{workdir} is not a tree_rl run directory (no config.json)")
+  cfg = RunConfig.from_config_dict(json.loads((workdir_path / "config.json").read_text()))
+  model, tokenizer = build_policy(cfg.model, cfg.seed)
+  state = ppo.init_state(model, _optimizer(cfg.optim.lr, cfg),
+                         with_ref=cfg.algo.loss_config().kl_coef > 0)
+  ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)
+  try:
+    state, _ = ckpt.restore(state, step)
+  finally:
+    ckpt.close()
+  return state.model(), tokenizer, cfg
