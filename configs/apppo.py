@@ -3,7 +3,7 @@ advantage and the future-aware term (specs/appo.md), on the tool world.
 
 Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm start):
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
-Ablations: :branch=3,init=4 (B top positions, N initial rollouts) ; :task=math ; :runlocal.
+Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ; :task=math ; :runlocal.
 Hardware: a 2-core CPU, about 20 minutes for the default budget.
 Expected metric: eval/accuracy of base -> SFT -> RL printed at the end
 (figures are reported in the issue notes and README when measured).
@@ -13,14 +13,22 @@ from configs import common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, **common.COMMON_ARGS, init=4, branch=3)
+  arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1)
   c = common.base_config()
   c.algo.estimator = "appo"
   # N initial rollouts, B branch points each: budget M = (B + 1) N leaves per prompt.
   c.algo.estimator_kwargs = dict(n_init=arg.init, budget=(arg.branch + 1) * arg.init)
   c.rollout.strategy = "appo"
   c.rollout.samples_per_task = arg.init
+  # The CPU preset: 6 tools per task (the oracle's + distractors) instead of all
+  # 17 keeps the system prompt near 0.8k tokens; difficulty 1-2 questions.
+  c.task.kwargs = dict(tools_per_task=6, difficulties=(1, 2), max_turns=3)
+  c.task.num_eval_tasks = 16
+  c.rollout.max_new_tokens = 96
+  c.prompts_per_step = 2
+  c.num_steps = 6
   c.sft.steps = 8
+  c.sft.tasks_per_step = 4
   c = common.apply_common_args(c, arg)
   if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)

@@ -25,3 +25,15 @@ def test_oracle_policy_solves_every_family(name):
 def test_unknown_family_lists_the_valid_ones():
   with pytest.raises(ValueError, match="toolworld"):
     make_family("tool_world")
+
+
+def test_toolworld_tool_subsets_keep_the_oracle_solvable():
+  family = make_family("toolworld", tools_per_task=6, difficulties=(1, 2, 3), max_turns=4)
+  tasks = family.generate("train", 24, seed=5) + family.generate("eval", 12, seed=5)
+  for t in tasks:
+    assert len(t.tool_names) == 6 and "response_gen" in t.tool_names
+    assert {x.name for x in family.tools(t)} == set(t.tool_names)
+    assert all(f'"name": "{n}"' in t.messages[0]["content"] for n in t.tool_names)
+  assert evaluate(family, tasks, replay_oracle_policy(tasks)).metrics["accuracy"] == 1.0
+  # The full setting is unchanged: all 17 tools.
+  assert len(make_family("toolworld").generate("train", 1, seed=5)[0].tool_names) == 17

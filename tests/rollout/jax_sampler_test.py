@@ -218,3 +218,17 @@ def test_bad_requests_fail_clearly(model):
     eng.generate([GenerationRequest((5, 6), SamplingParams(stop=("x",)))])
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0)
+
+
+def test_blockwise_cache_attention_equals_the_dense_form():
+  from tree_rl.models.attention import cached_attention
+
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (3, 5, 4, 16))
+  kc = jax.random.normal(keys[1], (3, 1024, 2, 16))
+  vc = jax.random.normal(keys[2], (3, 1024, 2, 16))
+  # Rows at different depths: the loop stops at the deepest query's block.
+  slot = jnp.asarray([[10, 11, 12, 13, 14], [300, 301, 302, 303, 304], [700, 701, 702, 703, 1023]])
+  blocked = cached_attention(q, kc, vc, slot, block=256)
+  dense = cached_attention(q, kc, vc, slot, block=4096)  # s_len <= block: the dense path
+  np.testing.assert_allclose(np.asarray(blocked), np.asarray(dense), atol=1e-5)

@@ -207,20 +207,49 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
 
 def cached_attention(
     q: Float[Array, "R T H Dh"], k_cache: Float[Array, "R S Hk Dh"],
-    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "R T"],
+    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "R T"], block: int = 256,
 ) -> Float[Array, "R T H Dh"]:
   """Attention of new tokens over a per-row KV cache (the sampler's path).
 
   Row r holds one linear context in cache slots 0..; the query at slot
   `q_slot[r, t]` sees slots 0..q_slot[r, t] (its own key included, which the
-  caller wrote before calling). Numerics follow `dense_attention`.
+  caller wrote before calling). Keys are visited in blocks of `block` slots with
+  an online softmax, and only up to the highest query slot: the loop's trip
+  count is dynamic, so a decode step costs O(context length), not O(S).
   """
-  s_len = k_cache.shape[1]
-  mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [R, T, S]
-  qg = _grouped(q, k_cache.shape[2])
-  s = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache, preferred_element_type=jnp.float32)
-  s = s / math.sqrt(q.shape[-1])
-  s = jnp.where(mask[:, None, None], s, _NEG)
-  p = jax.nn.softmax(s, axis=-1)
-  out = jnp.einsum("rkgts,rskd->rtkgd", p.astype(v_cache.dtype), v_cache)
-  return out.reshape(q.shape)
+  r, t, h, d = q.shape
+  s_len, hk = k_cache.shape[1], k_cache.shape[2]
+  qg = _grouped(q, hk)
+  scale = 1.0 / math.sqrt(d)
+  if s_len % block or s_len <= block:
+    mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [R, T, S]
+    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    sc = jnp.where(mask[:, None, None], sc * scale, _NEG)
+    p = jax.nn.softmax(sc, axis=-1)
+    out = jnp.einsum("rkgts,rskd->rtkgd", p.astype(v_cache.dtype), v_cache)
+    return out.reshape(q.shape)
+
+  g = h // hk
+
+  def body(j, carry):
+    m, l, acc = carry
+    kb = lax.dynamic_slice_in_dim(k_cache, j * block, block, axis=1)
+    vb = lax.dynamic_slice_in_dim(v_cache, j * block, block, axis=1)
+    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, kb, preferred_element_type=jnp.float32) * scale
+    mask = (j * block + jnp.arange(block))[None, None, :] <= q_slot[:, :, None]  # [R, T, blk]
+    sc = jnp.where(mask[:, None, None], sc, _NEG)
+    m_new = jnp.maximum(m, sc.max(-1))
+    p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = l * corr + p.sum(-1)
+    pv = jnp.einsum("rkgts,rskd->rtkgd", p.astype(vb.dtype), vb,
+                    preferred_element_type=jnp.float32)
+    acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
+    return m_new, l, acc
+
+  n_blocks = (jnp.max(q_slot) + block) // block  # blocks holding slots 0..max(q_slot)
+  init = (jnp.full((r, hk, g, t), _NEG, jnp.float32), jnp.zeros((r, hk, g, t), jnp.float32),
+          jnp.zeros((r, t, hk, g, d), jnp.float32))
+  _, l, acc = lax.fori_loop(0, jnp.minimum(n_blocks, s_len // block), body, init)
+  out = acc / jnp.maximum(jnp.moveaxis(l, -1, 1), 1e-30)[..., None]
+  return out.reshape(q.shape).astype(q.dtype)

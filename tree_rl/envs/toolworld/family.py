@@ -42,13 +42,20 @@ class ToolWorldFamily:
   name = "toolworld"
 
   def __init__(self, seed_world: int = 0, max_turns: int = 6, truncated_outcome: float = -1.0,
-               difficulties: Sequence[int] = (1, 2, 3, 4, 5)):
+               difficulties: Sequence[int] = (1, 2, 3, 4, 5), tools_per_task: int = 0):
     """Args:
       seed_world: seed of the world every task of this family lives in.
       max_turns: assistant steps per episode (PORTool caps at 6).
       truncated_outcome: reward of a truncated episode or one without response_gen.
       difficulties: the difficulties `generate` cycles through, in order.
+      tools_per_task: 0 offers all 17 tools (PORTool's setting, a ~2.3k-token system
+        prompt); k > 0 offers the tools of the task's oracle routes, `response_gen`
+        and `get_current_context`, plus seeded distractors up to k tools. Small
+        models on CPUs train much faster on the shorter prompt.
     """
+    if tools_per_task < 0:
+      raise ValueError(f"tools_per_task={tools_per_task} must be >= 0 (0: all tools)")
+    self.tools_per_task = tools_per_task
     if not difficulties or any(d not in (1, 2, 3, 4, 5) for d in difficulties):
       raise ValueError(f"difficulties must be a non-empty subset of 1..5, got {difficulties}")
     if max_turns < max(difficulties) + 1:
@@ -77,17 +84,32 @@ class ToolWorldFamily:
           break
       seen.add(key)
       tools = make_tools(self.world, context)
+      offered = self._offered(query, random.Random(f"toolworld-tools|{split}|{seed}|{i}"))
+      tools = [t for t in tools if t.name in offered]
       system = render_tool_prompt(tools, preamble=PREAMBLE, finish=FINISH)
       tasks.append(Task(
           task_id=f"{self.name}/{split}/{seed}/{i}", family=self.name, split=split,
           messages=({"role": "system", "content": system},
                     {"role": "user", "content": query.question}),
-          tool_names=TOOL_NAMES, answer=query.answer, oracle=query.oracle,
+          tool_names=tuple(t.name for t in tools), answer=query.answer, oracle=query.oracle,
           difficulty=query.difficulty,
           metadata={"world_seed": self.seed_world, "now": context.now.isoformat(timespec="minutes"),
                     "city": context.city, "template": query.template,
                     "oracle_alternatives": query.alternatives}))
     return tasks
+
+  def _offered(self, query, rng: random.Random) -> frozenset[str]:
+    """The tool names a task offers (see `tools_per_task`)."""
+    if not self.tools_per_task:
+      return frozenset(TOOL_NAMES)
+    needed = {"response_gen", "get_current_context"}
+    for route in (query.oracle, *query.alternatives):
+      for m in route:
+        if m.get("role") == "assistant":
+          needed.update(c.name for c in parse_step(m["content"]).calls if c.name)
+    spare = [n for n in TOOL_NAMES if n not in needed]
+    rng.shuffle(spare)
+    return frozenset(needed) | frozenset(spare[:max(0, self.tools_per_task - len(needed))])
 
   def tools(self, task: Task) -> list[Tool]:
     """The task's tools, rebuilt from its metadata (world seed, now, user city)."""
