@@ -38,7 +38,7 @@ def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.model = dict(name="smollm2", hf_folder="", lora_rank=8, lora_alpha=16.0,
                  lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), dtype="float32",
-                 remat=False, tiny_overrides={})
+                 remat=True, attention="blockwise", attention_block=64, tiny_overrides={})
   c.task = dict(family="toolworld", kwargs={}, num_train_tasks=256, num_eval_tasks=32, seed=0)
   c.rollout = dict(engine="jax", strategy="flat", strategy_kwargs={}, samples_per_task=4,
                    max_turns=0, max_new_tokens=160, temperature=1.0, top_p=1.0, top_k=0,
@@ -78,6 +78,7 @@ def runlocal(c: ml_collections.ConfigDict) -> None:
   """Shrinks everything so a run finishes on a CPU in about a minute (tests, smoke runs)."""
   c.model.name = "tiny"
   c.model.tiny_overrides = dict(num_hidden_layers=1)
+  c.model.remat, c.model.attention = False, "dense"
   c.task.num_train_tasks, c.task.num_eval_tasks = 8, 2
   c.rollout.samples_per_task = 2
   c.rollout.max_turns = 2

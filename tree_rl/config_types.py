@@ -57,6 +57,11 @@ class ModelSpec:
   lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
   dtype: str = "float32"
   remat: bool = False
+  # Tree attention in the update: "dense" builds [L, L] scores per head and layer
+  # (fine for tiny models); "blockwise" visits only visible key blocks with an
+  # online softmax, so memory stays O(L) (what a real model on a CPU needs).
+  attention: str = "dense"
+  attention_block: int = 64
   tiny_overrides: dict = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
@@ -68,6 +73,7 @@ class ModelSpec:
     if self.lora_rank < 0:
       raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
     _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
+    _choice("model", "attention", self.attention, ("dense", "blockwise"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,11 +43,19 @@ EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
              "avg_formatting_raw"]
 
 
-def build_policy(spec: ModelSpec, seed: int) -> tuple[Decoder, Any]:
-  """(model, tokenizer) for the model section; fails before any compile when unavailable."""
+def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_depth: int = 16
+                 ) -> tuple[Decoder, Any]:
+  """(model, tokenizer) for the model section; fails before any compile when unavailable.
+
+  `max_path_tokens` and `max_depth` bound a root-to-leaf path (the rollout's context
+  window and node depth); blockwise attention needs them for its static bound on
+  the key blocks one query block can see: every visible block holds an ancestor
+  token, so at most path/block + depth blocks.
+  """
   from transformers import AutoTokenizer
 
   from tree_rl.models import gguf_import, hf_io
+  from tree_rl.models.attention import AttentionConfig
 
   lora = (LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha,
                      target_modules=tuple(spec.lora_targets)) if spec.lora_rank else None)
@@ -59,12 +67,18 @@ def build_policy(spec: ModelSpec, seed: int) -> tuple[Decoder, Any]:
     # smollm2 and tiny both use SmolLM2's tokenizer and chat template.
     folder = gguf_import.default_model_dir()
   tokenizer = AutoTokenizer.from_pretrained(str(folder))
+  attn = AttentionConfig()
+  if spec.attention == "blockwise":
+    attn = AttentionConfig(impl="blockwise", block=spec.attention_block,
+                           max_kv_blocks=-(-max_path_tokens // spec.attention_block) + max_depth)
   if spec.name == "tiny":
     config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
                               **dict(spec.tiny_overrides))
-    model = Decoder(config, rngs=nnx.Rngs(seed), lora=lora, remat=spec.remat)
+    model = Decoder(config, rngs=nnx.Rngs(seed), lora=lora, remat=spec.remat,
+                    attention_config=attn)
   else:
-    model = hf_io.load_hf(folder, dtype=spec.dtype, lora=lora, remat=spec.remat, seed=seed)
+    model = hf_io.load_hf(folder, dtype=spec.dtype, lora=lora, remat=spec.remat, seed=seed,
+                          attention_config=attn)
   return model, tokenizer
 
 
@@ -85,6 +99,14 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
   return make_strategy(r.strategy, **kw)
 
 
+def _path_bounds(cfg: RunConfig) -> tuple[int, int]:
+  """(tokens, nodes) a root-to-leaf path can hold: the context window, and a prompt
+  node plus a policy and an env node per turn (token-position branches split nodes:
+  counted twice)."""
+  turns = cfg.rollout.max_turns or 8
+  return cfg.rollout.max_context_tokens, 2 * (2 * turns + 1)
+
+
 def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
   o = cfg.optim
   schedule = (optax.linear_schedule(0.0, lr, o.warmup_steps) if o.warmup_steps else lr)
@@ -92,10 +114,27 @@ def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, weight_decay=o.weight_decay))
 
 
-def _pack(trees, buckets: Buckets):
-  """Packs the trees that have leaves (a tree can lose every episode to a full context)."""
+def _pack(trees, buckets: Buckets, model: Decoder | None = None):
+  """Packs the trees that have leaves (a tree can lose every episode to a full context).
+
+  With blockwise attention, checks on the host that no query block sees more key
+  blocks than the model's static bound (the kernel would silently drop the rest).
+  """
+  from tree_rl.models.attention import max_visible_blocks
+
   kept = [t for t in trees if t.leaves]
-  return (pack(kept, buckets) if kept else None), len(trees) - len(kept)
+  if not kept:
+    return None, len(trees)
+  batch = pack(kept, buckets)
+  attn = model.attention_config if model is not None else None
+  if attn is not None and attn.impl == "blockwise":
+    need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent),
+                              attn.block)
+    if need > attn.max_kv_blocks:
+      raise ValueError(f"a packed tree needs {need} visible key blocks, above the static bound "
+                       f"{attn.max_kv_blocks}; raise config.rollout.max_context_tokens or "
+                       f"config.model.attention_block")
+  return batch, len(trees) - len(kept)
 
 
 class _StopFlag:
@@ -142,7 +181,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   timer = metrics_lib.PhaseTimer()
 
   # ============================== Policy, reference & optimizer ==============================
-  model, tokenizer = build_policy(cfg.model, cfg.seed)
+  model, tokenizer = build_policy(cfg.model, cfg.seed, *_path_bounds(cfg))
   chat = ChatFormat.from_tokenizer(tokenizer)
   optimizer = _optimizer(cfg.optim.lr, cfg)
   loss_config = cfg.algo.loss_config()
@@ -210,7 +249,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       sft_buckets = Buckets(trees=(n,))
       for i in range(cfg.sft.steps):
         tasks = [train_tasks[(i * n + j) % len(train_tasks)] for j in range(n)]
-        batch, _ = _pack(teacher.rollout(tasks), sft_buckets)
+        batch, _ = _pack(teacher.rollout(tasks), sft_buckets, model)
         sft_state, m = sft_step(sft_state, batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
@@ -234,7 +273,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         engine.reseed(jax.random.fold_in(base_key, step))
         with timer("rollout"):
           trees = agent.rollout(tasks)
-        batch, n_empty = _pack(trees, buckets)
+        batch, n_empty = _pack(trees, buckets, model)
         row: dict[str, float] = {}
         if batch is not None:
           with timer("update"):
@@ -291,7 +330,7 @@ def restore_policy(workdir: str, step: int | None = None) -> tuple[Decoder, Any,
   if not (workdir_path / "config.json").is_file():
     raise FileNotFoundError(f"{workdir} is not a tree_rl run directory (no config.json)")
   cfg = RunConfig.from_config_dict(json.loads((workdir_path / "config.json").read_text()))
-  model, tokenizer = build_policy(cfg.model, cfg.seed)
+  model, tokenizer = build_policy(cfg.model, cfg.seed, *_path_bounds(cfg))
   state = ppo.init_state(model, _optimizer(cfg.optim.lr, cfg),
                          with_ref=cfg.algo.loss_config().kl_coef > 0)
   ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)

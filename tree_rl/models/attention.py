@@ -159,7 +159,8 @@ def blockwise_attention(
   if l % block:
     raise ValueError(f"packed length L={l} must be a multiple of the attention block {block}")
   nb = l // block
-  table, _ = kv_block_table(tree, block, max_kv_blocks)  # [B, nb, M]
+  # A bound above the number of blocks is just "all of them" (short buckets).
+  table, _ = kv_block_table(tree, block, min(max_kv_blocks, nb))  # [B, nb, M]
   rows = tree.query_rows().reshape(b, nb, block, -1)  # [B, nb, bq, N]
   qg = _grouped(q, hk).reshape(b, nb, block, hk, h // hk, d)
   kb = k.reshape(b, nb, block, hk, d)
