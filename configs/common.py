@@ -75,7 +75,7 @@ COMMON_ARGS = dict(model="smollm2", task="toolworld", steps=0, runlocal=False)
 
 
 def runlocal(c: ml_collections.ConfigDict) -> None:
-  """Shrinks everything so a run finishes on a CPU in about a minute (tests, smoke runs)."""
+  """Shrinks everything so a run finishes on a 2-core CPU in a few minutes (tests, smoke runs)."""
   c.model.name = "tiny"
   c.model.tiny_overrides = dict(num_hidden_layers=1)
   c.model.remat, c.model.attention = False, "dense"
