@@ -7,9 +7,6 @@ was sampled: trees pass `check()`, the recorded log-probs equal the policy's
 log-probs recomputed on the packed tree, and flagged truncations keep every leaf.
 """
 
-import re
-
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -22,6 +19,7 @@ from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams, ScriptedEngine
 from tree_rl.rollout.jax_sampler import JaxSampler
+from tree_rl.rollout.policy import oracle_engine
 from tree_rl.tree.batch import Buckets, pack
 from tree_rl.tree.types import NodeKind
 
@@ -53,25 +51,11 @@ def test_chat_format_glue_matches_the_template(chat, tokenizer):
     assert text == full
 
 
-def _oracle_script(tasks, chat):
-  """Context tokens -> the oracle's next assistant step for the task in that context."""
-  by_question = {t.messages[-1]["content"]: t for t in tasks}
-
-  def script(context):
-    text = chat.decode(context)
-    task = next(t for q, t in by_question.items() if q in text)
-    turn = len(re.findall(r"<\|im_start\|>assistant", text)) - 1
-    steps = [m["content"] for m in task.oracle if m["role"] == "assistant"]
-    return steps[turn]
-
-  return script
-
-
 @pytest.mark.parametrize("name", ["toolworld", "search_qa"])
 def test_oracle_script_solves_tasks_in_token_space(chat, tokenizer, name):
   family = make_family(name)
   tasks = family.generate("eval", 6, seed=1)
-  engine = ScriptedEngine(_oracle_script(tasks, chat), tokenizer, eos_id=tokenizer.eos_token_id)
+  engine = oracle_engine(tasks, chat)
   loop = AgentLoop(engine, chat, family, AgentConfig(samples_per_task=2, max_context_tokens=8192,
                                                      sampling=SamplingParams(max_new_tokens=512)))
   trees = loop.rollout(tasks)

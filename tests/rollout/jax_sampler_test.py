@@ -6,7 +6,6 @@ branch continues exactly its parent's context; stop strings, EOS, budgets and
 context overflow end generations in recorded ways; weight pushes take effect.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +14,10 @@ import pytest
 from flax import nnx
 
 from tree_rl.models import Decoder, ModelConfig
-from tree_rl.models.attention import TreeMask
-from tree_rl.models.logprobs import sequence_logprobs
 from tree_rl.rollout import jax_sampler
 from tree_rl.rollout.engine import GenerationRequest, SamplingParams
 from tree_rl.rollout.jax_sampler import JaxSampler
+from tests.rollout import reference
 
 CFG = ModelConfig.tiny()
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
@@ -52,41 +50,12 @@ def _ctx(seed, n=10):
   return tuple(int(x) for x in np.random.RandomState(seed).randint(3, CFG.vocab_size, n))
 
 
-PAD = 64  # reference computations run padded to one length: one compile each
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _ref_logits(graphdef, state, tokens, valid):
-  model = nnx.merge(graphdef, state)
-  return model.logits(tokens, jnp.arange(PAD)[None], TreeMask.causal(valid))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _ref_logprobs(graphdef, state, tokens, valid):
-  return sequence_logprobs(nnx.merge(graphdef, state), tokens, valid)
-
-
-def _padded(seq):
-  x = np.zeros((1, PAD), np.int32)
-  x[0, :len(seq)] = seq
-  return jnp.asarray(x), jnp.asarray(np.arange(PAD)[None] < len(seq))
-
-
 def _argmax_decode(model, ctx, n):
-  """Greedy decoding by recomputing the full forward pass at every step."""
-  graphdef, state = nnx.split(model)
-  seq = list(ctx)
-  for _ in range(n):
-    logits = _ref_logits(graphdef, state, *_padded(seq))
-    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-  return tuple(seq[len(ctx):])
+  return reference.argmax_decode(model, ctx, n)
 
 
 def _policy_logprobs(model, ctx, gen):
-  graphdef, state = nnx.split(model)
-  lp, ent = _ref_logprobs(graphdef, state, *_padded(ctx + gen))
-  n = len(ctx) + len(gen)
-  return np.asarray(lp[0, len(ctx):n]), np.asarray(ent[0, len(ctx):n])
+  return reference.policy_logprobs(model, ctx, gen)
 
 
 def test_greedy_equals_stepwise_argmax(model):

@@ -13,21 +13,18 @@ third_party/vllm_worker/README.md); without one these tests skip, except the
 entropy-estimator ones, which need no vLLM.
 """
 
-import functools
 import math
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tree_rl.models import Decoder, ModelConfig, gguf_import
-from tree_rl.models.attention import TreeMask
 from tree_rl.models.hf_io import hf_tensors, save_hf
-from tree_rl.models.logprobs import sequence_logprobs
 from tree_rl.rollout.engine import GenerationRequest, SamplingParams
+from tests.rollout import reference
 from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, VLLMEngine, find_vllm_python, topk_entropy
 
 # SmolLM2's vocabulary, so that the folder carries its tokenizer (stop strings).
@@ -55,51 +52,21 @@ def _ctx(seed, n=10):
   return tuple(int(x) for x in np.random.RandomState(seed).randint(3, CFG.vocab_size, n))
 
 
-# ----------------------------------------------------------------------------
 # The oracle: tree_rl's decoder, full forward passes padded to one length.
-# ----------------------------------------------------------------------------
-
 PAD = 192
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _ref_logits(graphdef, state, tokens, valid):
-  model = nnx.merge(graphdef, state)
-  return model.logits(tokens, jnp.arange(PAD)[None], TreeMask.causal(valid))
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _ref_logprobs(graphdef, state, tokens, valid):
-  return sequence_logprobs(nnx.merge(graphdef, state), tokens, valid)
-
-
-def _padded(seq):
-  x = np.zeros((1, PAD), np.int32)
-  x[0, :len(seq)] = seq
-  return jnp.asarray(x), jnp.asarray(np.arange(PAD)[None] < len(seq))
-
-
 def _argmax_decode(model, ctx, n):
-  graphdef, state = nnx.split(model)
-  seq = list(ctx)
-  for _ in range(n):
-    logits = _ref_logits(graphdef, state, *_padded(seq))
-    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
-  return tuple(seq[len(ctx):])
+  return reference.argmax_decode(model, ctx, n, pad=PAD)
 
 
 def _policy_logprobs(model, ctx, gen):
-  graphdef, state = nnx.split(model)
-  lp, _ = _ref_logprobs(graphdef, state, *_padded(ctx + gen))
-  return np.asarray(lp[0, len(ctx):len(ctx) + len(gen)])
+  return reference.policy_logprobs(model, ctx, gen, pad=PAD)[0]
 
 
 def _full_logprobs(model, ctx, gen):
   """[len(gen), V] log-distributions at each generated position."""
-  graphdef, state = nnx.split(model)
-  logits = _ref_logits(graphdef, state, *_padded(ctx + gen))
-  n = len(ctx)
-  return np.asarray(jax.nn.log_softmax(logits[0, n - 1:n - 1 + len(gen)], axis=-1))
+  return reference.log_distributions(model, ctx, gen, pad=PAD)
 
 
 # ----------------------------------------------------------------------------

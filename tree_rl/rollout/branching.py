@@ -270,7 +270,7 @@ class Forest:
       cut.append(res.finish_reason == "length")
       live.append(b)
     # Parse + run tools for every branch at once (tool calls block on I/O).
-    list(self.pool.map(advance, [b.episode for b in live], [self._content(x) for x in texts]))
+    list(self.pool.map(advance, [b.episode for b in live], [self.chat.content(x) for x in texts]))
     still_open, ended = [], []
     for b, text, was_cut in zip(live, texts, cut):
       ep, tree = b.episode, self.trees[b.tree]
@@ -335,11 +335,6 @@ class Forest:
     if b.node == 0:
       tree.meta["prompt_too_long"] = True
     return True
-
-  def _content(self, text: str) -> str:
-    """The assistant message content of a sampled step: without its end-of-turn marker."""
-    end = self.chat.end_of_turn
-    return text[:-len(end)] if end and text.endswith(end) else text
 
   # --------------------------------------------------------------------------
   # Queries and the end

@@ -70,6 +70,11 @@ class ChatFormat:
   def decode(self, tokens: Sequence[int]) -> str:
     return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
+  def content(self, step_text: str) -> str:
+    """The assistant message content of a sampled step: without its end-of-turn marker."""
+    end = self.end_of_turn
+    return step_text[:-len(end)] if end and step_text.endswith(end) else step_text
+
   def prompt_tokens(self, messages: Sequence[Message]) -> list[int]:
     """The prompt up to and including the first assistant header."""
     return self.encode(self._render(messages, True))

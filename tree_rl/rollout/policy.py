@@ -22,12 +22,7 @@ def engine_policy(engine: RolloutEngine, chat: ChatFormat, params: SamplingParam
 
   def policy(conversations: Sequence[Sequence[Message]]) -> list[str]:
     reqs = [GenerationRequest(tuple(chat.prompt_tokens(c)), params) for c in conversations]
-    out = []
-    for res in engine.generate(reqs):
-      text = chat.decode(res.tokens)
-      end = chat.end_of_turn
-      out.append(text[:-len(end)] if end and text.endswith(end) else text)
-    return out
+    return [chat.content(chat.decode(res.tokens)) for res in engine.generate(reqs)]
 
   return policy
 
