@@ -2,7 +2,8 @@
 formatting rescale, A_trj + A_fork with the Theorem 3.1 weights (specs/portool.md).
 
 Command: python launch/train.py --config=configs/portool.py --workdir=/tmp/portool
-Ablations: :n=8 (trajectories per prompt) ; :runlocal.
+Ablations: :n=8 (trajectories per prompt) ; :surrogate=two_term (App. B: trajectory and
+fork terms clipped separately; default: Eq. 3's one clipped term) ; :runlocal.
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy and eval/avg_formatting_raw (not yet measured).
 """
@@ -11,9 +12,10 @@ from configs import common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, **common.COMMON_ARGS, n=4)
+  arg = common.parse_arg(arg, **common.COMMON_ARGS, n=4, surrogate="combined")
   c = common.base_config()
   c.algo.estimator = "portool"
+  c.algo.loss = dict(surrogate=arg.surrogate)
   c.rollout.strategy = "portool"
   c.rollout.samples_per_task = arg.n
   c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=5)  # f = 2, T_max = 5 (spec §3.4)

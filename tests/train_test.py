@@ -21,13 +21,19 @@ CONFIGS = sorted(p.stem for p in (ROOT / "configs").glob("*.py")
                  if p.stem not in ("__init__", "common"))
 
 
+# Ablations the smoke runs take on top of runlocal (the combined surrogate is every other
+# config's; PORTool's smoke run trains the App. B two-term form).
+SMOKE_ARGS = {"portool": "surrogate=two_term"}
+
+
 def _config(name: str, arg: str = "runlocal"):
   return importlib.import_module(f"configs.{name}").get_config(arg)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_config_runs_two_steps_locally(name, tmp_path):
-  out = train.train_and_evaluate(_config(name), str(tmp_path))
+  arg = ",".join(filter(None, ["runlocal", SMOKE_ARGS.get(name)]))
+  out = train.train_and_evaluate(_config(name, arg), str(tmp_path))
   assert out["steps"] == 2
   assert {"base", "rl"} <= set(out["eval"])
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -96,6 +102,7 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: c.rollout.update(engine="sglang"), "valid values"),
     (lambda c: c.model.update(name="hf", hf_folder="/nonexistent"), "config.json"),
     (lambda c: c.task.update(family="toolwrld"), "toolworld"),
+    (lambda c: c.algo.update(loss={"surrogate": "two_term"}), "estimator='portool'"),
 ])
 def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
   c = _config("grpo")

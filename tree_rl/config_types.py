@@ -131,7 +131,11 @@ class AlgoSpec:
   def __post_init__(self):
     _choice("algo", "estimator", self.estimator, [k.value for k in registry.registered()])
     registry.make_config(self.estimator, **self.estimator_kwargs)  # unknown keys fail
-    _build(LossConfig, "algo.loss", self.loss)
+    loss = _build(LossConfig, "algo.loss", self.loss)
+    if loss.surrogate == "two_term" and self.estimator != "portool":
+      raise ValueError(f"config.algo.loss.surrogate='two_term' clips PORTool's trajectory and "
+                       f"fork terms separately; it needs algo.estimator='portool', not "
+                       f"{self.estimator!r}")
     _positive("algo", num_epochs=self.num_epochs, num_minibatches=self.num_minibatches)
 
   def loss_config(self) -> LossConfig:

@@ -223,6 +223,42 @@ def test_awpo_clip_radius_replaces_eps(trees, seed):
   check_against_flat(batch, adv, logp, ref, ent, cfgs, eps=eps)
 
 
+# PORTool's App. B form: the two parts clipped separately equal the sum of two flattened
+# losses, one per part (no KL or entropy: those do not depend on the advantage).
+TWO_TERM = tuple(dataclasses.replace(c, surrogate="two_term") for c in CONFIGS
+                 if c.kl_coef == 0)
+
+
+@settings(SETTINGS, max_examples=25)
+@given(hst.lists(general_tree(), min_size=1, max_size=3), hst.integers(0, 2**31 - 1))
+def test_two_term_is_the_sum_of_separately_clipped_parts(trees, seed):
+  batch = pack(trees, BUCKETS)
+  rng = np.random.default_rng(seed)
+  logp, ref, ent = random_inputs(batch, rng)
+  a1 = random_advantages(batch, rng)
+  a2 = a1.replace(node_leaf=jnp.asarray(
+      rng.uniform(-2.0, 2.0, a1.node_leaf.shape) * (rng.random(a1.node_leaf.shape) < 0.7),
+      jnp.float32))
+  extras = {"trajectory_term": a1.node_leaf, "fork_term": a2.node_leaf}
+  adv = a1.replace(node_leaf=a1.node_leaf + a2.node_leaf, extras=extras)
+  got = _tree_all(logp, batch, adv, ref, ent, _structure(batch), cfgs=TWO_TERM)
+  want = []
+  for part in (a1, a2):
+    idx, fl = flat_inputs(batch, part, logp, ref, ent)
+    data = {k: jnp.asarray(v) for k, v in fl.items()}
+    want.append(_flat_all(data.pop("logp"), data, None, cfgs=TWO_TERM))
+  got, want = jax.device_get((got, want))
+  bb = np.broadcast_to(np.arange(idx.shape[0])[:, None, None], idx.shape)
+  ok = idx >= 0
+  for i, cfg in enumerate(TWO_TERM):
+    (loss, met), grad = got[i]
+    np.testing.assert_allclose([loss, met["pg_loss"]], [want[0][i][0][0] + want[1][i][0][0]] * 2,
+                               **TOL, err_msg=str(cfg))
+    g_want = np.zeros(logp.shape, np.float32)
+    np.add.at(g_want, (bb[ok], idx[ok]), want[0][i][1][ok] + want[1][i][1][ok])
+    np.testing.assert_allclose(grad, g_want, **TOL, err_msg=f"grad: {cfg}")
+
+
 # --- hand fixtures -------------------------------------------------------------------------
 
 BLOGP = (-1.0, -0.5, -2.0)
@@ -303,6 +339,29 @@ def test_awpo_clip_eps_from_extras():
   assert float(met["clip_frac"]) == pytest.approx(1 / 3, abs=1e-6)
 
 
+def test_two_term_differs_only_on_opposite_signs_outside_the_clip():
+  # r = (1.5, 0.9, 0.5); parts (trajectory, fork) = (1, -0.5), (1, 0.5), (-1, 2).
+  # Combined A = (0.5, 1.5, 1): -min(0.75, 0.6) - 1.35 - min(0.5, 0.8) = -2.45; grads
+  #   (0 clipped, -1.35, -0.5).
+  # Two terms: token 1: -min(1.5, 1.2) - min(-0.75, -0.6) = -0.45, grad only from the fork
+  #   part, 0.5 * 1.5 = 0.75; token 2: same signs, -1.35 as combined (I4); token 3:
+  #   -min(-0.5, -0.8) - min(1.0, 1.6) = 0.8 - 1.0 = -0.2, grad -1.0. Sum -2.0.
+  trj, fork = [1.0, 1.0, -1.0], [-0.5, 0.5, 2.0]
+  parts = {k: jnp.asarray([0.0, *v], jnp.float32)[None, :, None]
+           for k, v in (("trajectory_term", trj), ("fork_term", fork))}
+  batch, adv, logp = chain([a + b for a, b in zip(trj, fork)], (1.5, 0.9, 0.5), parts)
+  loss, _, g = loss_and_grad(batch, adv, logp, SUM)
+  assert loss == pytest.approx(-2.45, abs=1e-5)
+  np.testing.assert_allclose(g, [0.0, 0.0, -1.35, -0.5], atol=1e-5)
+  loss, _, g = loss_and_grad(batch, adv, logp, dataclasses.replace(SUM, surrogate="two_term"))
+  assert loss == pytest.approx(-2.0, abs=1e-5)
+  np.testing.assert_allclose(g, [0.0, 0.75, -1.35, -1.0], atol=1e-5)
+  # An estimator without the parts: a clear error naming them.
+  batch, adv, logp = chain([1.0] * 3, (1.0, 1.0, 1.0))
+  with pytest.raises(ValueError, match="trajectory_term"):
+    policy_loss(logp, batch, adv, LossConfig(surrogate="two_term"))
+
+
 @pytest.mark.parametrize("est, want, want_grad", [
     # d = logp - ref = (0.5, -0.25, 0). k1 = d: sum 0.25, d/dlogp = 1.
     ("k1", 0.25, [1.0, 1.0, 1.0]),
@@ -365,7 +424,7 @@ def test_token_scale_none_is_ones():
     ("dual_clip_c", 1.0, ValueError), ("dual_clip_c", 0.5, ValueError),
     ("ratio_level", "seq", ValueError), ("aggregation", "mean", ValueError),
     ("kl_coef", -1.0, ValueError), ("kl_estimator", "k2", ValueError),
-    ("entropy_coef", -0.1, ValueError),
+    ("entropy_coef", -0.1, ValueError), ("surrogate", "split", ValueError),
     ("clip_eps_low", True, (TypeError, ValueError)),
     ("entropy_coef", "0.1", (TypeError, ValueError)),
 ])

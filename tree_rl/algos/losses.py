@@ -14,6 +14,11 @@ that sequence's advantage and weight. Per token t of node n(t) and sequence k th
   term   = min(term, -c A)  where A < 0                       (dual-clip PPO, Ye et al. 2020)
   loss   = sum_t sum_k w_k [t on k] loss_mask_t term_tk       (w_k: derived.sequence_weights)
 
+With surrogate="two_term" (PORTool App. B) the estimator's two parts of A (extras
+"trajectory_term" and "fork_term") are clipped separately and their terms added:
+term = term(A_trj) + term(A_fork), which differs from term(A_trj + A_fork) only where the
+parts have opposite signs and the ratio is outside the clip range (specs/portool.md I4).
+
 Exact node-level form. `term` is piecewise linear in A with its only kink at A = 0:
 
   term = -A+ f+(r) + A- f-(r),   A+- = max(+-A, 0),
@@ -42,6 +47,9 @@ from tree_rl.tree.types import Array, Bool, Float
 
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k3")
+SURROGATES = ("combined", "two_term")
+# Keys of the separately clipped advantage parts in Advantages.extras (portool.py).
+TWO_TERM_KEYS = ("trajectory_term", "fork_term")
 # Key of AWPO's batch clip radius in Advantages.extras (awpo.py, eq. 29): a scalar that
 # replaces both eps_low and eps_high when present.
 AWPO_CLIP_KEY = "clip_eps"
@@ -66,6 +74,9 @@ class LossConfig:
   kl_coef, kl_estimator: coefficient of the KL to a reference policy, estimated per token by
     Schulman's k1 = logp - ref or k3 = exp(ref - logp) - (ref - logp) - 1.
   entropy_coef: coefficient of the entropy bonus (subtracted from the loss).
+  surrogate: "combined" (one clipped term per pair on the estimator's A, PORTool's Eq. 3)
+    or "two_term" (PORTool App. B: its trajectory and fork parts clipped separately; needs
+    an estimator that writes them to extras, i.e. portool).
   """
 
   clip_eps_low: float = 0.2
@@ -76,6 +87,7 @@ class LossConfig:
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   entropy_coef: float = 0.0
+  surrogate: str = "combined"
 
   def __post_init__(self):
     def number(name, ok, rule):
@@ -100,6 +112,7 @@ class LossConfig:
     number("kl_coef", lambda v: v >= 0.0, "a finite float >= 0")
     check_choice("LossConfig", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
     number("entropy_coef", lambda v: v >= 0.0, "a finite float >= 0")
+    check_choice("LossConfig", "surrogate", self.surrogate, SURROGATES)
 
 
 def kl_penalty(logp: Float[Array, "*S"], ref_logp: Float[Array, "*S"],
@@ -183,9 +196,20 @@ def policy_loss(
   w = derived.sequence_weights(batch, config.aggregation, adv.leaf_mask, st)  # [B, K]
   under = st.leaves_under.astype(jnp.float32)  # [B, N, K]
   # Entries off a leaf's path are ignored whatever the estimator wrote there.
-  a_pos, a_neg = _split(jnp.where(st.leaves_under, adv.node_leaf, 0.0))  # [B, N, K]
+  on_path = lambda x: jnp.where(st.leaves_under, x, 0.0)
+  a_pos, a_neg = _split(on_path(adv.node_leaf))  # [B, N, K]
+  # Clip metrics count pairs by the sign of their whole advantage.
   is_pos = (a_pos > 0).astype(jnp.float32)
   is_neg = (a_neg > 0).astype(jnp.float32)
+  if config.surrogate == "two_term":
+    missing = [k for k in TWO_TERM_KEYS if k not in adv.extras]
+    if missing:
+      raise ValueError(f"LossConfig.surrogate='two_term' needs advantage parts {missing} in"
+                       " Advantages.extras; only the portool estimator writes them")
+    # The surrogate is linear in (A+, A-) for a fixed ratio: clipping each part on its
+    # own is summing the parts' positive and negative halves.
+    parts = [_split(on_path(adv.extras[k])) for k in TWO_TERM_KEYS]
+    a_pos, a_neg = sum(p for p, _ in parts), sum(n for _, n in parts)
   scale = adv.token_scale_or_ones(logp.shape)
   s_pos, s_neg = _split(jnp.where(mask, scale, 0.0))  # [B, L]
   sgn_pos = (s_pos > 0).astype(jnp.float32)
