@@ -131,7 +131,7 @@ def _pack(trees, buckets: Buckets, model: Decoder | None = None):
     need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent),
                               attn.block)
     if need > attn.max_kv_blocks:
-      raise ValueError(f"a packed tree needs {need} visible key blocks, above the static bound "
+      raise ValueError(f"a packed tree needs {need} key-block pair slots per query block, above the static bound "
                        f"{attn.max_kv_blocks}; raise config.rollout.max_context_tokens or "
                        f"config.model.attention_block")
   return batch, len(trees) - len(kept)

@@ -89,7 +89,7 @@ _BLOCKWISE = {}
 @given(trees=st.lists(S.general_tree(max_nodes=30), min_size=1, max_size=3))
 def test_blockwise_equals_dense(trees):
   batch = pack(trees, BUCKETS)
-  # 8 key blocks of 32 tokens, at most 4 visited per query block (a static
+  # 8 key blocks of 32 tokens, 4 pair slots per query block on average (a static
   # bound kept fixed so the test compiles once; raised only when a tree needs more).
   block = 32
   m = max(4, max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), block))
@@ -110,13 +110,20 @@ def test_blockwise_equals_dense(trees):
 @given(trees=st.lists(S.general_tree(max_nodes=40), min_size=1, max_size=3))
 def test_max_visible_blocks_is_exact_bound(trees):
   batch = pack(trees, BUCKETS)
-  from tree_rl.models.attention import kv_block_table
+  from tree_rl.models.attention import _visible_blocks, kv_block_pairs
   st_ = derived.structure(batch)
   tree = TreeMask(batch.node_of_token, st_.ancestor)
   m = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 32)
-  assert not kv_block_table(tree, 32, m)[1]
+  q_blk, k_blk, overflow = kv_block_pairs(tree, 32, m)
+  assert not overflow
   if m > 1:
-    assert kv_block_table(tree, 32, m - 1)[1]  # one fewer overflows
+    assert kv_block_pairs(tree, 32, m - 1)[2]  # one fewer overflows
+  # The slots list exactly the visible block pairs, in row-major order.
+  vis = np.asarray(_visible_blocks(tree, 32))
+  for row in range(vis.shape[0]):
+    used = np.asarray(q_blk[row]) >= 0
+    want = np.argwhere(vis[row])
+    np.testing.assert_array_equal(np.stack([q_blk[row][used], k_blk[row][used]], -1), want)
 
 
 def test_fresh_lora_equals_base_and_only_adapters_are_lora_params():

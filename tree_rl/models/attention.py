@@ -7,11 +7,11 @@ Two implementations with identical results:
 * `dense`: the `[L, L]` mask. Simple and fastest for short trees, but its cost
   grows with L^2 including every cross-branch pair that is masked out.
 * `blockwise`: queries and keys are cut into blocks of `block` packed tokens;
-  each query block visits only the key blocks that hold at least one of its
-  visible tokens (at most `max_kv_blocks`, a static bound computed on the host
-  by `max_visible_blocks`), with an online softmax (flash-attention style)
-  and a rematerialised step, so compute and memory follow the visible pairs
-  (about L x path length) instead of L^2.
+  only the (query block, key block) pairs with at least one visible token pair
+  are computed, nb pairs per scan step (a row has nb * `max_kv_blocks` pair
+  slots, a static bound computed on the host by `max_visible_blocks`), with an
+  online softmax (flash-attention style) and a rematerialised step, so compute
+  and memory follow the visible pairs (about L x path length) instead of L^2.
 
 A plain causal batch is the special case of one node per row
 (`TreeMask.causal`).
@@ -58,7 +58,9 @@ class TreeMask:
 class AttentionConfig:
   impl: str = "dense"
   block: int = 128
-  max_kv_blocks: int = 0  # blockwise only: static bound (see max_visible_blocks)
+  # blockwise only: static bound on a row's visible (query block, key block) pairs per
+  # query block, i.e. nb * max_kv_blocks pair slots per row (see max_visible_blocks).
+  max_kv_blocks: int = 0
 
   def __post_init__(self):
     if self.impl not in ATTENTION_IMPLS:
@@ -98,32 +100,43 @@ def dense_attention(
   return out.reshape(q.shape)
 
 
-def kv_block_table(tree: TreeMask, block: int, max_kv_blocks: int
-                   ) -> tuple[Int[Array, "B Q M"], Bool[Array, ""]]:
-  """For each query block, the (ascending) key blocks it can see, -1 padded.
-
-  Key block kb <= qb is visible from query block qb iff some token of kb belongs to an
-  ancestor-or-self node of some token of qb. Returns the table and whether
-  any query block sees more than `max_kv_blocks` blocks (then the static
-  bound was too small and results would be wrong: callers must check it).
-  """
+def _visible_blocks(tree: TreeMask, block: int) -> Bool[Array, "B Q K"]:
+  """[b, qb, kb]: key block kb <= qb holds a token visible from some token of query block qb
+  (a token of an ancestor-or-self node of one of qb's tokens)."""
   b, l = tree.node_of_token.shape
   nb, n = l // block, tree.ancestor.shape[1]
   node = tree.node_of_token.reshape(b, nb, block)
   present = (jax.nn.one_hot(node, n, dtype=jnp.float32)).max(2)  # [B, nb, N]; -1 -> none
   anc = tree.ancestor.astype(jnp.float32)
   vis = jnp.einsum("bqn,bnm,bkm->bqk", present, anc, present) > 0
-  vis &= jnp.arange(nb)[None, :, None] >= jnp.arange(nb)[None, None, :]
-  overflow = vis.sum(-1).max() > max_kv_blocks
-  # Highest score = lowest visible block index; invisible blocks score 0.
-  score = jnp.where(vis, nb - jnp.arange(nb)[None, None, :], 0)
-  top, _ = lax.top_k(score, max_kv_blocks)
-  table = jnp.where(top > 0, nb - top, -1)
-  return table.astype(jnp.int32), overflow
+  return vis & (jnp.arange(nb)[None, :, None] >= jnp.arange(nb)[None, None, :])
+
+
+def kv_block_pairs(tree: TreeMask, block: int, max_kv_blocks: int
+                   ) -> tuple[Int[Array, "B P"], Int[Array, "B P"], Bool[Array, ""]]:
+  """Every visible (query block, key block) pair of each row, in row-major order.
+
+  P = nb * max_kv_blocks pair slots per row (nb = L / block): the static bound is
+  on the mean number of visible key blocks per query block, so short-context query
+  blocks do not pay for the longest one. Returns the query and key block of each
+  slot (-1 on unused slots) and whether some row has more pairs than slots (then the
+  bound was too small and results would be wrong: callers must check it).
+  """
+  vis = _visible_blocks(tree, block)
+  b, nb, _ = vis.shape
+  slots = nb * max_kv_blocks
+  flat = vis.reshape(b, nb * nb)
+  overflow = flat.sum(-1).max() > slots
+  (idx,) = jax.vmap(lambda v: jnp.nonzero(v, size=slots, fill_value=-1))(flat)
+  q_blk = jnp.where(idx >= 0, idx // nb, -1)
+  k_blk = jnp.where(idx >= 0, idx % nb, -1)
+  return q_blk.astype(jnp.int32), k_blk.astype(jnp.int32), overflow
 
 
 def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int) -> int:
-  """Host-side exact static bound for `kv_block_table` (numpy, no jit).
+  """Host-side exact static bound for `kv_block_pairs` (numpy, no jit): the
+  smallest `max_kv_blocks` whose nb * max_kv_blocks slots hold every row's visible
+  (query block, key block) pairs.
 
   node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch.
   """
@@ -141,7 +154,7 @@ def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int
     present[blocks, node_of_token[t].reshape(nb, block)[blocks, nodes]] = True
     vis = (present.astype(np.int32) @ anc.astype(np.int32) @ present.T.astype(np.int32)) > 0
     vis &= np.tril(np.ones((nb, nb), bool))
-    best = max(best, int(vis.sum(-1).max()))
+    best = max(best, -(-int(vis.sum()) // nb))
   return best
 
 
@@ -149,52 +162,62 @@ def blockwise_attention(
     q: Float[Array, "B L H Dh"], k: Float[Array, "B L Hk Dh"], v: Float[Array, "B L Hk Dh"],
     tree: TreeMask, block: int, max_kv_blocks: int,
 ) -> Float[Array, "B L H Dh"]:
-  """Tree attention over the visible key blocks only (online softmax).
+  """Tree attention over the visible (query block, key block) pairs only (online softmax).
 
-  Cost O(L * max_kv_blocks * block) instead of O(L^2); each scan step is
-  rematerialised in the backward pass, so memory is O(L) per layer.
+  The pairs of a row (`kv_block_pairs`) are visited nb at a time, so each scan step
+  costs what one key block per query block would; a step's pairs are folded into
+  their query blocks' running max, denominator and output by scatter (a query block
+  may own several pairs of a step). Cost O(visible pairs * block^2), bounded by
+  O(L * max_kv_blocks * block); each scan step is rematerialised in the backward
+  pass, so memory is O(L) per layer.
   """
   b, l, h, d = q.shape
   hk = k.shape[2]
   if l % block:
     raise ValueError(f"packed length L={l} must be a multiple of the attention block {block}")
   nb = l // block
+  g = h // hk
   # A bound above the number of blocks is just "all of them" (short buckets).
-  table, _ = kv_block_table(tree, block, min(max_kv_blocks, nb))  # [B, nb, M]
+  m = min(max_kv_blocks, nb)
+  q_blk, k_blk, _ = kv_block_pairs(tree, block, m)  # [B, nb * m]
   rows = tree.query_rows().reshape(b, nb, block, -1)  # [B, nb, bq, N]
-  qg = _grouped(q, hk).reshape(b, nb, block, hk, h // hk, d)
+  qg = _grouped(q, hk).reshape(b, nb, block, hk, g, d)
   kb = k.reshape(b, nb, block, hk, d)
   vb = v.reshape(b, nb, block, hk, d)
   node_b = tree.node_of_token.reshape(b, nb, block)
-  q_pos = jnp.arange(l).reshape(nb, block)
   scale = 1.0 / math.sqrt(d)
+  bi = jnp.arange(b)[:, None]
 
   @jax.checkpoint
-  def step(carry, idx):  # idx [B, nb]: one visible key block per query block
+  def step(carry, pair):  # pair: ([B, nb], [B, nb]) query and key block of nb slots
     acc, mx, den = carry
-    safe = jnp.maximum(idx, 0)
-    take = lambda x: jnp.take_along_axis(x, safe.reshape(b, nb, *([1] * (x.ndim - 2))), axis=1)
-    kk, vv, kn = take(kb), take(vb), take(node_b)  # [B, nb, bk, ...]
+    qi, ki = pair
+    used = qi >= 0
+    qs, ks = jnp.maximum(qi, 0), jnp.maximum(ki, 0)
+    qq, rq = qg[bi, qs], rows[bi, qs]  # [B, C, bq, ...]
+    kk, vv, kn = kb[bi, ks], vb[bi, ks], node_b[bi, ks]  # [B, C, bk, ...]
     vis = jnp.take_along_axis(
-        rows, jnp.broadcast_to(jnp.maximum(kn, 0)[:, :, None, :], (b, nb, block, block)), axis=3)
-    k_pos = safe[:, :, None] * block + jnp.arange(block)[None, None, :]
-    mask = vis & (kn >= 0)[:, :, None, :] & (idx >= 0)[:, :, None, None]
-    mask &= k_pos[:, :, None, :] <= q_pos[None, :, :, None]
-    s = jnp.einsum("bnqkgd,bnskd->bnkgqs", qg, kk, preferred_element_type=jnp.float32) * scale
+        rq, jnp.broadcast_to(jnp.maximum(kn, 0)[:, :, None, :], (b, nb, block, block)), axis=3)
+    q_pos = qs[:, :, None] * block + jnp.arange(block)
+    k_pos = ks[:, :, None] * block + jnp.arange(block)
+    mask = vis & (kn >= 0)[:, :, None, :] & used[:, :, None, None]
+    mask &= k_pos[:, :, None, :] <= q_pos[:, :, :, None]
+    s = jnp.einsum("bnqkgd,bnskd->bnkgqs", qq, kk, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask[:, :, None, None], s, _NEG)
-    new_mx = jnp.maximum(mx, s.max(-1))
+    new_mx = mx.at[bi, qs].max(s.max(-1))  # [B, nb, hk, g, bq]
+    p = jnp.where(mask[:, :, None, None], jnp.exp(s - new_mx[bi, qs][..., None]), 0.0)
     corr = jnp.exp(mx - new_mx)
-    p = jnp.where(mask[:, :, None, None], jnp.exp(s - new_mx[..., None]), 0.0)
-    den = den * corr + p.sum(-1)
-    acc = acc * corr[..., None] + jnp.einsum("bnkgqs,bnskd->bnkgqd", p.astype(vv.dtype), vv,
-                                             preferred_element_type=jnp.float32)
+    den = (den * corr).at[bi, qs].add(p.sum(-1))
+    pv = jnp.einsum("bnkgqs,bnskd->bnkgqd", p.astype(vv.dtype), vv,
+                    preferred_element_type=jnp.float32)
+    acc = (acc * corr[..., None]).at[bi, qs].add(pv)
     return (acc, new_mx, den), None
 
-  g = h // hk
   init = (jnp.zeros((b, nb, hk, g, block, d), jnp.float32),
           jnp.full((b, nb, hk, g, block), _NEG, jnp.float32),
           jnp.zeros((b, nb, hk, g, block), jnp.float32))
-  (acc, _, den), _ = lax.scan(step, init, jnp.moveaxis(table, 2, 0))
+  pairs = (q_blk.reshape(b, m, nb).swapaxes(0, 1), k_blk.reshape(b, m, nb).swapaxes(0, 1))
+  (acc, _, den), _ = lax.scan(step, init, pairs)
   out = acc / jnp.maximum(den, 1e-30)[..., None]  # rows with no visible key -> 0
   out = jnp.moveaxis(out, 4, 2)  # [B, nb, bq, hk, g, d]
   return out.reshape(b, l, h, d).astype(q.dtype)
