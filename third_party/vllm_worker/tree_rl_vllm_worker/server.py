@@ -113,6 +113,7 @@ def _sampling_params(req: dict[str, Any], logprobs_k: int):
       # Explicit EOS ids replace the model's (generation_config + tokenizer).
       ignore_eos=eos_ids is not None,
       stop_token_ids=list(eos_ids) if eos_ids is not None else None,
+      seed=req.get("seed"),  # None: the engine-wide stream
   )
 
 
