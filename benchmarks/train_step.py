@@ -39,6 +39,7 @@ is the update step's MFU for a 0.5B-parameter bf16 model.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -276,19 +277,23 @@ def bench_case(name, trees, config, note, block, repeats):
   sys.stdout.flush()
 
 
-def bench_mfu(trees, block, repeats):
+def bench_mfu(trees, block, repeats, layers=None, peak=PEAK_BF16_FLOPS):
   """MFU = 6 * params * tokens / step time / peak bf16 FLOP/s, tree layout.
 
   tokens: the unique (unpadded) tokens of the packed trees, each run forward
   and backward once; attention FLOPs are left out, as is usual for MFU.
+  `layers` (default all 24) and `peak` let `--mfu` exercise it off GPU.
   """
   config = half_b_config()
+  if layers is not None:
+    config = dataclasses.replace(config, num_hidden_layers=layers)
   batch = pack_rows(trees, block)
   r = run_layout(config, batch, compute_advantages("grpo", batch), block, repeats)
   tokens = sum(t.num_tokens() for t in trees)
-  mfu = 6 * config.num_params * tokens / r["time"] / PEAK_BF16_FLOPS
-  print(f"# mfu: {config.num_params / 1e6:.0f}M params bf16, {len(trees)} PORTool trees,"
-        f" {tokens} tokens, step {r['time'] * 1e3:.1f} ms, peak {PEAK_BF16_FLOPS:.3g} FLOP/s")
+  mfu = 6 * config.num_params * tokens / r["time"] / peak
+  print(f"# mfu: {config.num_params / 1e6:.0f}M params bf16, {config.num_hidden_layers} layers,"
+        f" {len(trees)} PORTool trees, {tokens} tokens, step {r['time'] * 1e3:.1f} ms,"
+        f" peak {peak:.3g} FLOP/s")
   print(f"RATIO mfu_portool_0p5b {mfu:.3f}")
 
 
@@ -308,6 +313,14 @@ def main():
                       help="APPO rollout tokens (default: 1024 on GPU, 256 on CPU)")
   parser.add_argument("--block", type=int, default=None,
                       help="blockwise attention block (default: 128 on GPU, 32 on CPU)")
+  parser.add_argument("--mfu", action="store_true",
+                      help="measure the MFU figure off GPU too (with --mfu-layers, --peak-flops)")
+  parser.add_argument("--mfu-layers", type=int, default=None,
+                      help="layers of the 0.5B model for the MFU figure (default 24)")
+  parser.add_argument("--mfu-trees", type=int, default=8)
+  parser.add_argument("--peak-flops", type=float, default=PEAK_BF16_FLOPS,
+                      help="the device's peak bf16 FLOP/s (default: H100 SXM dense)")
+  parser.add_argument("--only-mfu", action="store_true", help="skip the tree/flat cases")
   args = parser.parse_args()
   gpu = jax.devices()[0].platform == "gpu"
   # CPU defaults keep the whole run under 8 minutes on 2 cores. The SmolLM2 step
@@ -335,16 +348,17 @@ def main():
       ("portool", lambda: portool_tree(rng, n=8, f=2, t_max=args.t_max)),
       ("appo", lambda: appo_tree(rng, n_init=4, n_branch=3, length=args.appo_length, prompt=64)),
   )
-  for shape, make in shapes:
+  for shape, make in shapes if not args.only_mfu else ():
     for size, config, n_trees, keep, note in (
         ("tiny", tiny_config(), args.tiny_trees, 1.0, ""),
         ("smollm2", smol, args.smol_trees, args.smol_keep, smol_note)):
       trees = [shrink(make(), keep) for _ in range(n_trees)]
       bench_case(f"{shape}_{size}", trees, config, note, args.block, args.repeats)
-  if gpu:
-    bench_mfu([portool_tree(rng, n=8, f=2, t_max=6) for _ in range(8)], args.block, args.repeats)
+  if gpu or args.mfu:
+    bench_mfu([portool_tree(rng, n=8, f=2, t_max=6) for _ in range(args.mfu_trees)], args.block,
+              args.repeats, args.mfu_layers, args.peak_flops)
   else:
-    print("# no GPU: MFU not measured")
+    print("# no GPU: MFU not measured (--mfu measures it here)")
 
 
 if __name__ == "__main__":

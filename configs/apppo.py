@@ -3,7 +3,9 @@ advantage and the future-aware term (specs/appo.md), on the tool world.
 
 Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm start):
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
-Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ; :task=math ; :runlocal.
+Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ;
+:timing=per_step (branch once before the updates, as the authors' code does; default:
+per PPO mini-batch with the current policy, as the paper does) ; :task=math ; :runlocal.
 Hardware: a 2-core CPU. The 20-minute target is not met yet: SmolLM2 update steps on
 the packed trees take minutes each on 2 cores (see the issue notes); the budget is being fitted.
 Expected metric: eval/accuracy of base -> SFT -> RL printed at the end
@@ -14,12 +16,17 @@ from configs import common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1)
+  arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1,
+                         timing="per_minibatch")
   c = common.base_config()
   c.algo.estimator = "appo"
   # N initial rollouts, B branch points each: budget M = (B + 1) N leaves per prompt.
   c.algo.estimator_kwargs = dict(n_init=arg.init, budget=(arg.branch + 1) * arg.init)
   c.rollout.strategy = "appo"
+  c.rollout.strategy_kwargs = dict(branch_timing=arg.timing)
+  # Two PPO mini-batches of one prompt each: the second prompt is branched with the
+  # policy after the first one's update (the paper's mini-batch loop).
+  c.algo.num_minibatches = 2
   c.rollout.samples_per_task = arg.init
   # The CPU preset: 6 tools per task (the oracle's + distractors) instead of all
   # 17 keeps the system prompt near 0.8k tokens; difficulty 1-2 questions.

@@ -35,6 +35,8 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   arg = ",".join(filter(None, ["runlocal", SMOKE_ARGS.get(name)]))
   out = train.train_and_evaluate(_config(name, arg), str(tmp_path))
   assert out["steps"] == 2
+  # APPO branches and updates per mini-batch: two updates a step.
+  assert int(out["state"].step) == (4 if name == "apppo" else 2)
   assert {"base", "rl"} <= set(out["eval"])
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "reward/outcome_mean" in r]
@@ -200,3 +202,35 @@ def test_blockwise_tree_attention_trains_like_the_default_models(tmp_path):
   out = train.train_and_evaluate(c, str(tmp_path))
   rows = [r for r in out["history"] if "loss" in r]
   assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+
+
+def test_attention_fitter_picks_the_tightest_ladder_bound():
+  import optax
+  from flax import nnx
+
+  from tree_rl.algos import ppo
+  from tree_rl.models import Decoder, ModelConfig
+  from tree_rl.models.attention import AttentionConfig, max_visible_blocks
+  from tree_rl.models.logprobs import tree_logprobs
+  from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
+
+  rng = np.random.default_rng(0)
+  toks = lambda n: [int(x) for x in rng.integers(3, 200, n)]
+  tree = RolloutTree.new(toks(100))
+  for _ in range(3):  # three 100-token branches of the prompt: 400 tokens in 13 blocks
+    node = tree.add_node(0, NodeKind.POLICY, toks(100), logprobs=[-1.0] * 100)
+    tree.add_leaf(node, {"outcome": 1.0})
+  batch = pack([tree], Buckets(tokens=(512,)))
+  loose = AttentionConfig("blockwise", 32, 16)  # = all 16 blocks of the bucket
+  model = Decoder(ModelConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0), attention_config=loose)
+  state = ppo.init_state(model, optax.sgd(0.0))
+  fit = train._AttentionFitter(model)
+  fitted = fit(state, batch)
+  bound = fitted.model().attention_config.max_kv_blocks
+  need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 32)
+  ladder = train._KV_LADDER
+  assert bound in ladder and bound >= need and ladder[ladder.index(bound) - 1] < need
+  assert bound < 16  # the pairs of different branches are skipped
+  np.testing.assert_allclose(np.asarray(tree_logprobs(fitted.model(), batch)[0]),
+                             np.asarray(tree_logprobs(state.model(), batch)[0]), atol=1e-5)
+  assert fit(fitted, batch).graphdef is fitted.graphdef  # one graph (and compile) per bound

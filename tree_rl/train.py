@@ -13,6 +13,7 @@ The sections below keep the same banners in every trainer (STYLE.md P7).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import signal
@@ -107,6 +108,38 @@ def _path_bounds(cfg: RunConfig) -> tuple[int, int]:
   return cfg.rollout.max_context_tokens, 2 * (2 * turns + 1)
 
 
+def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
+                         state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
+                         key: jax.Array, timer: metrics_lib.PhaseTimer):
+  """One APPO step in the paper's order (specs/appo.md §4.2): N initial rollouts of
+  every prompt under the step's starting policy; then per mini-batch k, branch its
+  prompts' rollouts with the current policy theta_k (branch points scored and
+  branches sampled after the weights of update k - 1 are synced) and update on them.
+
+  Returns (state, trees, trees without leaves, metrics averaged over the mini-batches).
+  """
+  parts: list[dict[str, Any]] = []
+  n_empty = 0
+  with agent.open_forest(tasks) as forest:
+    with timer("rollout"):
+      strategy.initial(forest)
+    for k, part in enumerate(np.array_split(np.arange(len(tasks)), num_minibatches)):
+      ids = [int(t) for t in part]
+      if k:
+        sync(state)
+      with timer("rollout"):
+        strategy.branch(forest, ids)
+      batch, empty = pack_fn(forest.take(ids))
+      n_empty += empty
+      if batch is not None:
+        with timer("update"):
+          state, m = update(state, batch, jax.random.fold_in(key, k))
+          parts.append(jax.device_get(m))
+    trees = agent.close_forest(forest)
+  m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
+  return state, trees, n_empty, m
+
+
 def _check_vllm(cfg: RunConfig) -> str | None:
   """With rollout.engine="vllm": the interpreter that has vLLM (fails before any compile
   when there is none, or when vLLM's CPU backend cannot serve the model)."""
@@ -155,27 +188,46 @@ def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, weight_decay=o.weight_decay))
 
 
-def _pack(trees, buckets: Buckets, model: Decoder | None = None):
-  """Packs the trees that have leaves (a tree can lose every episode to a full context).
-
-  With blockwise attention, checks on the host that no query block sees more key
-  blocks than the model's static bound (the kernel would silently drop the rest).
-  """
-  from tree_rl.models.attention import max_visible_blocks
-
+def _pack(trees, buckets: Buckets):
+  """Packs the trees that have leaves (a tree can lose every episode to a full context)."""
   kept = [t for t in trees if t.leaves]
   if not kept:
     return None, len(trees)
-  batch = pack(kept, buckets)
-  attn = model.attention_config if model is not None else None
-  if attn is not None and attn.impl == "blockwise":
-    need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent),
-                              attn.block)
-    if need > attn.max_kv_blocks:
-      raise ValueError(f"a packed tree needs {need} key-block pair slots per query block, above the static bound "
-                       f"{attn.max_kv_blocks}; raise config.rollout.max_context_tokens or "
-                       f"config.model.attention_block")
-  return batch, len(trees) - len(kept)
+  return pack(kept, buckets), len(trees) - len(kept)
+
+
+# Static bounds blockwise attention is compiled for: the smallest one that holds a
+# batch's visible (query block, key block) pairs is used, so a run compiles once per
+# (token bucket, bound) and a step computes little more than the visible pairs.
+_KV_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+class _AttentionFitter:
+  """Switches a TrainState's graph to the tightest blockwise bound a batch needs.
+
+  The bound is static (it sets the attention scan's length), so it lives in the
+  model's graph; each distinct bound gets its own graph (cached here) and compile.
+  A dense-attention model is left as it is.
+  """
+
+  def __init__(self, model: Decoder):
+    self.base = model.attention_config
+    self.graphs: dict[Any, Any] = {}
+
+  def __call__(self, state: ppo.TrainState, batch) -> ppo.TrainState:
+    from tree_rl.models.attention import max_visible_blocks  # noqa: PLC0415
+
+    if self.base.impl != "blockwise":
+      return state
+    block = self.base.block
+    need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), block)
+    bound = next((m for m in _KV_LADDER if m >= need), need)
+    attn = dataclasses.replace(self.base, max_kv_blocks=min(bound, batch.tokens.shape[1] // block))
+    if attn not in self.graphs:
+      model = state.model()
+      model.attention_config = attn
+      self.graphs[attn] = nnx.split(model, ppo.trainable_filter(model), ...)[0]
+    return state.replace(graphdef=self.graphs[attn])
 
 
 class _StopFlag:
@@ -260,6 +312,29 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
 
   # ============================== Update step ==============================
   update_step = ppo.jit_update_step(ppo_config, optimizer)
+  fit = _AttentionFitter(model)  # each batch's tightest blockwise bound
+  # APPO as its paper reads: each PPO mini-batch's prompts are branched with the
+  # policy after the previous mini-batch's update, then that mini-batch is trained
+  # (one update per call); see _appo_minibatch_step.
+  per_minibatch = (getattr(strategy, "branch_timing", None) == "per_minibatch"
+                   and cfg.algo.num_minibatches > 1)
+  if per_minibatch:
+    if cfg.algo.num_epochs != 1:
+      raise ValueError(f"APPO's per-minibatch branching runs one PPO epoch; got "
+                       f"config.algo.num_epochs={cfg.algo.num_epochs} (or set "
+                       f"rollout.strategy_kwargs.branch_timing='per_step')")
+    if cfg.prompts_per_step % cfg.algo.num_minibatches:
+      raise ValueError(f"config.prompts_per_step={cfg.prompts_per_step} does not split into "
+                       f"algo.num_minibatches={cfg.algo.num_minibatches}")
+    minibatch_step = ppo.jit_update_step(
+        dataclasses.replace(ppo_config, num_minibatches=1), optimizer)
+    minibatch_buckets = Buckets(trees=(cfg.prompts_per_step // cfg.algo.num_minibatches,))
+
+  def sync_weights(state) -> None:
+    with timer("weight_sync"):
+      current = state.model()
+      engine.update_weights(current)
+      nnx.update(policy_model, nnx.state(current))
 
   # ============================== Evaluators ==============================
   greedy = SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
@@ -291,8 +366,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       sft_buckets = Buckets(trees=(n,))
       for i in range(cfg.sft.steps):
         tasks = [train_tasks[(i * n + j) % len(train_tasks)] for j in range(n)]
-        batch, _ = _pack(teacher.rollout(tasks), sft_buckets, model)
-        sft_state, m = sft_step(sft_state, batch)
+        batch, _ = _pack(teacher.rollout(tasks), sft_buckets)
+        sft_state, m = sft_step(fit(sft_state, batch), batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
       engine.update_weights(state.model())
@@ -313,22 +388,28 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         meta["data_position"] = pos + cfg.prompts_per_step
         # Sampling depends only on (seed, step), so a resumed run samples the same trees.
         engine.reseed(jax.random.fold_in(base_key, step))
-        with timer("rollout"):
-          trees = agent.rollout(tasks)
-        batch, n_empty = _pack(trees, buckets, model)
+        update_key = jax.random.fold_in(base_key, 10**6 + step)
+        if per_minibatch:
+          state, trees, n_empty, m = _appo_minibatch_step(
+              agent, strategy, tasks, cfg.algo.num_minibatches, state,
+              lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
+              lambda trees: _pack(trees, minibatch_buckets), sync_weights, update_key, timer)
+        else:
+          with timer("rollout"):
+            trees = agent.rollout(tasks)
+          batch, n_empty = _pack(trees, buckets)
+          m = None
+          if batch is not None:
+            with timer("update"):
+              state, m = update_step(fit(state, batch), batch, update_key)
+              m = jax.device_get(m)
         row: dict[str, float] = {}
-        if batch is not None:
-          with timer("update"):
-            state, m = update_step(state, batch, jax.random.fold_in(base_key, 10**6 + step))
-            m = jax.device_get(m)
+        if m is not None:
           row.update({k: float(np.asarray(v)) for k, v in m.items()})
           for k in ("loss", "l2_grads"):
             if k in row and not np.isfinite(row[k]):
               raise FloatingPointError(f"step {step}: {k}={row[k]} is not finite")
-        with timer("weight_sync"):
-          current = state.model()
-          engine.update_weights(current)
-          nnx.update(policy_model, nnx.state(current))
+        sync_weights(state)
       if prof.mode and step == prof.start_step + prof.num_steps - 1:
         jax.profiler.stop_trace()
       leaves = [leaf for t in trees for leaf in t.leaves]

@@ -219,6 +219,39 @@ def test_appo_branches_at_top_b_positions_with_the_parent_context(chat, tokenize
   assert stats.num_branches == 12
 
 
+def test_appo_per_minibatch_branching_uses_the_policy_of_the_moment(chat, tokenizer):
+  # The trainer's order: initial rollouts of both prompts, then mini-batch 0 branched
+  # and taken, then the "updated" policy (another scorer) branches mini-batch 1.
+  tasks = AddFamily().generate("train", 2, seed=5)
+  scorer = {"now": peaks_scorer([9, 4, 6])}
+  strategy = APPOStrategy(APPOConfig(n_init=2, budget=8), skip_punctuation=False,
+                          current_logprobs=lambda trees: scorer["now"](trees))
+  engine = ScriptedEngine(scripted(chat, add_steps), tokenizer, eos_id=tokenizer.eos_token_id)
+  loop = AgentLoop(engine, chat, AddFamily(), AgentConfig(
+      max_context_tokens=4096, sampling=SamplingParams(max_new_tokens=256)), strategy)
+  with loop.open_forest(tasks) as forest:
+    strategy.initial(forest)
+    assert [len(t.leaves) for t in forest.trees] == [2, 2]
+    strategy.branch(forest, [0])
+    first = forest.take([0])
+    assert len(first) == 1 and len(first[0].leaves) == 8
+    assert len(forest.trees[1].leaves) == 2  # mini-batch 1 is not branched yet
+    n_requests = len(engine.requests)
+    scorer["now"] = peaks_scorer([2, 3, 5])
+    strategy.branch(forest, [1])
+    trees = loop.close_forest(forest)
+  assert [len(t.leaves) for t in trees] == [8, 8]
+  assert loop.last_stats.num_branches == 12
+  prompt = len(trees[1].nodes[0].tokens)
+  later = {r.tokens for r in engine.requests[n_requests:]}
+  for leaf, path in zip(trees[1].leaves, trees[1].leaf_paths()):
+    if leaf.tag == LeafTag.INIT:  # branched at the second scorer's points
+      seq = trees[1].context(path[-1])
+      assert {tuple(seq[:prompt + off]) for off in (2, 3, 5)} <= later
+  for tree in trees:
+    tree.check(vocab_size=len(tokenizer))
+
+
 @pytest.mark.parametrize("n_init, budget", [(1, 3), (3, 6)])
 def test_appo_budget_is_b_plus_one_times_n(chat, tokenizer, n_init, budget):
   tasks = AddFamily().generate("train", 2, seed=n_init)

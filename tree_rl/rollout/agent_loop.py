@@ -24,8 +24,9 @@ branches and TRACE's predicted root and prefix allocation.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tree_rl.envs.base import Task
@@ -102,13 +103,25 @@ class AgentLoop:
     Each tree's meta holds "task_id" (and the strategy's diagnostics);
     `last_stats` gets this call's counts.
     """
+    with self.open_forest(tasks) as forest:
+      self.strategy.grow(forest)
+      return self.close_forest(forest)
+
+  @contextlib.contextmanager
+  def open_forest(self, tasks: Sequence[Task]) -> Iterator[Forest]:
+    """An empty Forest over `tasks`, with the thread pool its tool calls run on, for a
+    caller that grows the trees in phases (APPO's per-mini-batch branching:
+    `strategy.initial`, then `strategy.branch` and `forest.take` per mini-batch);
+    end with `close_forest`."""
     cfg = self.config
     with concurrent.futures.ThreadPoolExecutor(cfg.tool_workers) as pool:
-      forest = Forest(self.engine, self.chat, self.family, tasks, pool, sampling=cfg.sampling,
-                      max_turns=cfg.max_turns or self.family.max_turns,
-                      max_context_tokens=cfg.max_context_tokens)
-      self.strategy.grow(forest)
-      trees, skipped = forest.finish()
+      yield Forest(self.engine, self.chat, self.family, tasks, pool, sampling=cfg.sampling,
+                   max_turns=cfg.max_turns or self.family.max_turns,
+                   max_context_tokens=cfg.max_context_tokens)
+
+  def close_forest(self, forest: Forest) -> list[RolloutTree]:
+    """`forest.finish()`'s trees, tagged with the strategy; sets `last_stats`."""
+    trees, skipped = forest.finish()
     for tree in trees:
       tree.meta["strategy"] = self.strategy.name
     c = forest.counts

@@ -363,6 +363,22 @@ class Forest:
         out.extend(start + i for i, tok in enumerate(n.tokens) if tok not in exclude)
     return out
 
+  def take(self, trees: Sequence[int]) -> list[RolloutTree]:
+    """Prunes the trees `trees` (indices) and returns those with leaves; they must take
+    no further branches (APPO's trainer takes each mini-batch's trees this way)."""
+    ids = set(int(t) for t in trees)
+    if any(b.tree in ids for b in self._live):
+      raise RuntimeError(f"take: trees {sorted(ids)} still have open branches")
+    out = []
+    for t in sorted(ids):
+      tree = self.trees[t]
+      removed = sum(i < 0 for i in tree.prune())
+      if removed:
+        tree.meta["pruned_nodes"] = tree.meta.get("pruned_nodes", 0) + removed
+      if tree.leaves:
+        out.append(tree)
+    return out
+
   def finish(self) -> tuple[list[RolloutTree], list[str]]:
     """Prunes discarded trajectories and returns (trees with leaves, task ids without).
 
@@ -372,13 +388,6 @@ class Forest:
     if self._live:
       raise RuntimeError(f"finish: {len(self._live)} branches are still open; a strategy must "
                          "run or discard every branch it starts")
-    trees, skipped = [], []
-    for tree in self.trees:
-      removed = sum(i < 0 for i in tree.prune())
-      if removed:
-        tree.meta["pruned_nodes"] = removed
-      if tree.leaves:
-        trees.append(tree)
-      else:
-        skipped.append(tree.meta["task_id"])
+    trees = self.take(range(len(self.trees)))
+    skipped = [t.meta["task_id"] for t in self.trees if not t.leaves]
     return trees, skipped

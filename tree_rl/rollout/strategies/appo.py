@@ -50,6 +50,7 @@ from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag, NodeKind
 
 # Scoring runs on one-leaf chain trees padded to these sizes, so the jitted
 # scorer compiles once per bucket rather than once per rollout shape.
+BRANCH_TIMINGS = ("per_minibatch", "per_step")
 _CHAIN_BUCKETS = Buckets(trees=tuple(2**i for i in range(13)))
 
 
@@ -130,6 +131,11 @@ class APPOStrategy:
     skip_punctuation: drop whitespace/punctuation-only tokens from the
       candidates (spec §2.4 item 1, as the authors' code does).
     seed: source sampling for L > 1.
+    branch_timing: "per_minibatch" (the paper, spec §4.2: the trainer grows the
+      initial rollouts of a step's prompts under the step's starting policy, then
+      branches each PPO mini-batch's prompts with the policy after the previous
+      mini-batch's update) or "per_step" (the authors' public code: branch once,
+      before any update). Read by the trainer; the same with one mini-batch.
   """
 
   config: APPOConfig = APPOConfig()
@@ -137,10 +143,14 @@ class APPOStrategy:
   current_logprobs: PolicyScorer | None = None
   skip_punctuation: bool = True
   seed: int = 0
+  branch_timing: str = "per_minibatch"
 
   def __post_init__(self):
     if self.loops < 1:
       raise ValueError(f"APPOStrategy.loops={self.loops} must be >= 1")
+    if self.branch_timing not in BRANCH_TIMINGS:
+      raise ValueError(f"APPOStrategy.branch_timing={self.branch_timing!r}; choose one of "
+                       f"{BRANCH_TIMINGS}")
     self._rng = np.random.default_rng(self.seed)
 
   def leaves_per_task(self) -> int | None:
@@ -149,11 +159,22 @@ class APPOStrategy:
   # --------------------------------------------------------------------------
 
   def grow(self, forest: Forest) -> None:
+    self.initial(forest)
+    self.branch(forest)
+
+  def initial(self, forest: Forest) -> None:
+    """Step 1: N initial rollouts of every tree, run to the end."""
+    n = self.config.n_init
+    forest.run([b for t in range(len(forest.trees)) for b in forest.start(t, n)])
+
+  def branch(self, forest: Forest, trees: Sequence[int] | None = None) -> None:
+    """Steps 2-4 for `trees` (default: all) with the policy the engine and
+    `current_logprobs` hold now: the trainer calls it once per mini-batch with
+    that mini-batch's trees, after the previous mini-batch's update."""
     cfg = self.config
     num_points, cap = cfg.num_branches, cfg.budget
-    trees = forest.trees
-    forest.run([b for t in range(len(trees)) for b in forest.start(t, cfg.n_init)])
-    planned = [len(tree.leaves) for tree in trees]
+    ids = range(len(forest.trees)) if trees is None else [int(t) for t in trees]
+    planned = {t: len(forest.trees[t].leaves) for t in ids}
     for loop in range(self.loops):
       if num_points == 0:
         break
@@ -172,11 +193,12 @@ class APPOStrategy:
         planned[t] += max(take, 0)
       forest.run(new)
 
-  def _sources(self, forest: Forest, loop: int, planned: list[int],
+  def _sources(self, forest: Forest, loop: int, planned: dict[int, int],
                num_points: int) -> list[tuple[int, int]]:
-    """(tree, leaf) rollouts to branch from in this loop."""
+    """(tree, leaf) rollouts of the trees in `planned` to branch from in this loop."""
     out = []
-    for t, tree in enumerate(forest.trees):
+    for t in planned:
+      tree = forest.trees[t]
       if loop == 0:  # L = 1: every initial rollout once
         out.extend((t, k) for k, leaf in enumerate(tree.leaves) if leaf.tag == LeafTag.INIT)
         continue
@@ -195,7 +217,8 @@ class APPOStrategy:
     (a branch rollout's path includes its parent's prefix, as Eq. 4 wants).
     """
     scorer = self.current_logprobs or behaviour_scorer
-    scores = scorer(forest.trees)
+    scored = sorted({t for t, _ in sources})  # only the trees being branched
+    scores = dict(zip(scored, scorer([forest.trees[t] for t in scored])))
     skip = frozenset(forest.chat.eos_ids)
     keep_token = self._token_filter(forest)
     chains, rows = [], []
