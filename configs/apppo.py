@@ -6,8 +6,9 @@ Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm s
 Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ;
 :timing=per_step (branch once before the updates, as the authors' code does; default:
 per PPO mini-batch with the current policy, as the paper does) ; :task=math ; :runlocal.
-Hardware: a 2-core CPU. The 20-minute target is not met yet: SmolLM2 update steps on
-the packed trees take minutes each on 2 cores (see the issue notes); the budget is being fitted.
+Hardware: a 2-core CPU. The 20-minute target is not met yet. Measured on 2 cores with an
+earlier sampler (before its per-step KV-cache copy was removed): base eval ~2 min, an SFT
+step ~35 s, the SFT eval ~4.5 min, an RL step over 4 min; the budget is being fitted.
 Expected metric: eval/accuracy of base -> SFT -> RL printed at the end
 (figures are reported in the issue notes and README when measured).
 """
@@ -28,15 +29,20 @@ def get_config(arg=None):
   # policy after the first one's update (the paper's mini-batch loop).
   c.algo.num_minibatches = 2
   c.rollout.samples_per_task = arg.init
-  # The CPU preset: 6 tools per task (the oracle's + distractors) instead of all
-  # 17 keeps the system prompt near 0.8k tokens; difficulty 1-2 questions.
-  c.task.kwargs = dict(tools_per_task=6, difficulties=(1, 2), max_turns=3)
+  # The CPU preset (README's main job): 3 tools per task (the oracle's + distractors)
+  # instead of all 17 keep the system prompt near 0.5k tokens; difficulty 1-2
+  # questions, 3 turns; 20 oracle trajectories of SFT with a LoRA-sized learning rate;
+  # 4 RL steps of 2 prompts with N = 2, B = 1 (8 leaves a step).
+  c.task.kwargs = dict(tools_per_task=3, difficulties=(1, 2), max_turns=3)
   c.task.num_eval_tasks = 16
-  c.rollout.max_new_tokens = 96
+  c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
+  c.rollout.max_context_tokens = 2048
   c.prompts_per_step = 2
-  c.num_steps = 6
-  c.sft.steps = 8
-  c.sft.tasks_per_step = 4
+  c.num_steps = 4
+  c.optim.lr = 1e-4
+  c.sft.steps = 10
+  c.sft.tasks_per_step = 2
+  c.sft.lr = 1e-3
   c = common.apply_common_args(c, arg)
   if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)

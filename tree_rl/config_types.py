@@ -74,6 +74,8 @@ class ModelSpec:
       raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
     _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
     _choice("model", "attention", self.attention, ("dense", "blockwise"))
+    # Packed rows are multiples of 256 tokens (train.TOKEN_BUCKETS).
+    _choice("model", "attention_block", self.attention_block, [16, 32, 64, 128, 256])
 
 
 @dataclasses.dataclass(frozen=True)

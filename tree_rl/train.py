@@ -91,7 +91,7 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
   elif r.strategy == "appo":
     if cfg.algo.estimator == "appo":  # one APPOConfig for the branching and the advantages
       kw.setdefault("config", estimator_config)
-    kw.setdefault("current_logprobs", model_scorer(policy_model))
+    kw.setdefault("current_logprobs", model_scorer(policy_model, Buckets(tokens=TOKEN_BUCKETS)))
   elif r.strategy == "arpo":
     kw.setdefault("initial_rollouts", r.samples_per_task)
     kw.setdefault("budget", 2 * r.samples_per_task)
@@ -196,6 +196,18 @@ def _pack(trees, buckets: Buckets):
   return pack(kept, buckets), len(trees) - len(kept)
 
 
+# Packed row lengths: multiples of 256 up to 8k tokens, then powers of two. A new
+# length costs one compile of the update step (seconds on a CPU); padding a
+# 2.1k-token tree to 4k would double its step. 256 also divides every row into
+# whole vocabulary-projection chunks (LOGPROB_CHUNK) and attention blocks.
+TOKEN_BUCKETS = tuple(range(256, 8192 + 1, 256)) + (16384, 32768, 65536)
+LOGPROB_CHUNK = 256
+
+
+def _buckets(trees: int) -> Buckets:
+  return Buckets(tokens=TOKEN_BUCKETS, trees=(trees,))
+
+
 # Static bounds blockwise attention is compiled for: the smallest one that holds a
 # batch's visible (query block, key block) pairs is used, so a run compiles once per
 # (token bucket, bound) and a step computes little more than the visible pairs.
@@ -280,7 +292,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   ppo_config = ppo.PPOConfig(
       loss=loss_config, estimator=cfg.algo.estimator,
       estimator_config=registry.make_config(cfg.algo.estimator, **cfg.algo.estimator_kwargs),
-      num_epochs=cfg.algo.num_epochs, num_minibatches=cfg.algo.num_minibatches)
+      num_epochs=cfg.algo.num_epochs, num_minibatches=cfg.algo.num_minibatches,
+      logprob_chunk=LOGPROB_CHUNK)
 
   # ============================== Restore ==============================
   # Order: this workdir's checkpoint > config.resume > the configured model (see checkpoint.py).
@@ -308,7 +321,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   agent = AgentLoop(engine, chat, family, AgentConfig(
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
       max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy)
-  buckets = Buckets(trees=(cfg.prompts_per_step,))
+  buckets = _buckets(cfg.prompts_per_step)
 
   # ============================== Update step ==============================
   update_step = ppo.jit_update_step(ppo_config, optimizer)
@@ -328,7 +341,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                        f"algo.num_minibatches={cfg.algo.num_minibatches}")
     minibatch_step = ppo.jit_update_step(
         dataclasses.replace(ppo_config, num_minibatches=1), optimizer)
-    minibatch_buckets = Buckets(trees=(cfg.prompts_per_step // cfg.algo.num_minibatches,))
+    minibatch_buckets = _buckets(cfg.prompts_per_step // cfg.algo.num_minibatches)
 
   def sync_weights(state) -> None:
     with timer("weight_sync"):
@@ -358,12 +371,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     if cfg.sft.steps and not meta["sft_done"]:
       sft_opt = _optimizer(cfg.sft.lr, cfg)
       sft_state = state.replace(opt_state=sft_opt.init(state.params))
-      sft_step = jax.jit(sft.make_sft_step(sft_opt), donate_argnums=0)
+      sft_step = jax.jit(sft.make_sft_step(sft_opt, LOGPROB_CHUNK), donate_argnums=0)
       teacher = AgentLoop(oracle_engine(train_tasks, chat), chat, family, AgentConfig(
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
       n = cfg.sft.tasks_per_step
-      sft_buckets = Buckets(trees=(n,))
+      sft_buckets = _buckets(n)
       for i in range(cfg.sft.steps):
         tasks = [train_tasks[(i * n + j) % len(train_tasks)] for j in range(n)]
         batch, _ = _pack(teacher.rollout(tasks), sft_buckets)

@@ -230,8 +230,9 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
 
 
 def cached_attention(
-    q: Float[Array, "R T H Dh"], k_cache: Float[Array, "R S Hk Dh"],
-    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "R T"], block: int = 256,
+    q: Float[Array, "R T H Dh"], k_cache: Float[Array, "*Ly R S Hk Dh"],
+    v_cache: Float[Array, "*Ly R S Hk Dh"], q_slot: Int[Array, "R T"], block: int = 256,
+    layer: Int[Array, ""] | None = None,
 ) -> Float[Array, "R T H Dh"]:
   """Attention of new tokens over a per-row KV cache (the sampler's path).
 
@@ -240,25 +241,38 @@ def cached_attention(
   caller wrote before calling). Keys are visited in blocks of `block` slots with
   an online softmax, and only up to the highest query slot: the loop's trip
   count is dynamic, so a decode step costs O(context length), not O(S).
+
+  With `layer`, the caches hold every layer (`[Ly, R, S, Hk, Dh]`) and layer
+  `layer`'s blocks are read straight from them: slicing the layer out first
+  would copy all S slots of it on every decode step.
   """
   r, t, h, d = q.shape
-  s_len, hk = k_cache.shape[1], k_cache.shape[2]
+  s_len, hk = k_cache.shape[-3], k_cache.shape[-2]
   qg = _grouped(q, hk)
   scale = 1.0 / math.sqrt(d)
   if s_len % block or s_len <= block:
+    if layer is not None:
+      k_cache, v_cache = k_cache[layer], v_cache[layer]
     mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [R, T, S]
-    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache, preferred_element_type=jnp.float32)
+    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache.astype(q.dtype),
+                    preferred_element_type=jnp.float32)
     sc = jnp.where(mask[:, None, None], sc * scale, _NEG)
     p = jax.nn.softmax(sc, axis=-1)
     out = jnp.einsum("rkgts,rskd->rtkgd", p.astype(v_cache.dtype), v_cache)
-    return out.reshape(q.shape)
+    return out.reshape(q.shape).astype(q.dtype)
 
   g = h // hk
 
+  def take(cache, j):  # slots j*block .. (j+1)*block - 1 of every row: [R, block, Hk, Dh]
+    if layer is None:
+      return lax.dynamic_slice_in_dim(cache, j * block, block, axis=1)
+    zero = jnp.zeros((), jnp.int32)
+    return lax.dynamic_slice(cache, (layer, zero, j * block, zero, zero),
+                             (1, r, block, hk, d))[0].astype(q.dtype)
+
   def body(j, carry):
     m, l, acc = carry
-    kb = lax.dynamic_slice_in_dim(k_cache, j * block, block, axis=1)
-    vb = lax.dynamic_slice_in_dim(v_cache, j * block, block, axis=1)
+    kb, vb = take(k_cache, j), take(v_cache, j)
     sc = jnp.einsum("rtkgd,rskd->rkgts", qg, kb, preferred_element_type=jnp.float32) * scale
     mask = (j * block + jnp.arange(block))[None, None, :] <= q_slot[:, :, None]  # [R, T, blk]
     sc = jnp.where(mask[:, None, None], sc, _NEG)

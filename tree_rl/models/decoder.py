@@ -227,7 +227,7 @@ class Decoder(nnx.Module):
       q, k, v = self._qkv(x, w, slots)
       kc = kc.at[i, rows, slots].set(k.astype(kc.dtype), mode="drop")
       vc = vc.at[i, rows, slots].set(v.astype(vc.dtype), mode="drop")
-      a = cached_attention(q, kc[i].astype(q.dtype), vc[i].astype(q.dtype), slots)
+      a = cached_attention(q, kc, vc, slots, layer=i)
       return (self._finish(x, a, w), kc, vc, i + 1), None
 
     (x, kc, vc, _), _ = lax.scan(body, (x, cache.k, cache.v, 0), self._layer_weights())
