@@ -383,8 +383,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         sft_state, m = sft_step(fit(sft_state, batch), batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
-      engine.update_weights(state.model())
-      nnx.update(policy_model, nnx.state(state.model()))
+      sync_weights(state)
       meta["sft_done"] = True
       run_eval("sft", 0)
 
