@@ -131,6 +131,15 @@ def flat_inputs(batch, adv, logp, ref, ent):
                    trained=trained, ref=take(ref), ent=take(ent))
 
 
+def packed_grad(idx, g_flat, shape):
+  """d loss / d packed logp from the flattened gradient: the sum over each token's copies."""
+  ok = idx >= 0
+  bb = np.broadcast_to(np.arange(idx.shape[0])[:, None, None], idx.shape)
+  out = np.zeros(shape, np.float32)
+  np.add.at(out, (bb[ok], idx[ok]), g_flat[ok])
+  return out
+
+
 def check_against_flat(batch, adv, logp, ref, ent, cfgs, eps=None):
   """Tree loss, metrics and d loss / d logp equal the flattened reference's, for each config."""
   idx, fl = flat_inputs(batch, adv, logp, ref, ent)
@@ -139,18 +148,14 @@ def check_against_flat(batch, adv, logp, ref, ent, cfgs, eps=None):
   data = {k: jnp.asarray(v) for k, v in fl.items()}
   want = _flat_all(data.pop("logp"), data, eps, cfgs=cfgs)
   got, want = jax.device_get((got, want))
-  bb = np.broadcast_to(np.arange(idx.shape[0])[:, None, None], idx.shape)
-  ok = idx >= 0
   for cfg, ((loss, met), grad), ((want_loss, want_met), g_flat) in zip(cfgs, got, want):
     assert set(met) == set(want_met)
     names = sorted(want_met)
     np.testing.assert_allclose([loss] + [met[n] for n in names],
                                [want_loss] + [want_met[n] for n in names], **TOL,
                                err_msg=f"[loss, {', '.join(names)}]: {cfg}")
-    # d loss / d packed logp = sum over the token's copies in the flattened sequences.
-    g_want = np.zeros(logp.shape, np.float32)
-    np.add.at(g_want, (bb[ok], idx[ok]), g_flat[ok])
-    np.testing.assert_allclose(grad, g_want, **TOL, err_msg=f"grad: {cfg}")
+    np.testing.assert_allclose(grad, packed_grad(idx, g_flat, logp.shape), **TOL,
+                               err_msg=f"grad: {cfg}")
 
 
 def random_inputs(batch, rng):
@@ -248,14 +253,11 @@ def test_two_term_is_the_sum_of_separately_clipped_parts(trees, seed):
     data = {k: jnp.asarray(v) for k, v in fl.items()}
     want.append(_flat_all(data.pop("logp"), data, None, cfgs=TWO_TERM))
   got, want = jax.device_get((got, want))
-  bb = np.broadcast_to(np.arange(idx.shape[0])[:, None, None], idx.shape)
-  ok = idx >= 0
   for i, cfg in enumerate(TWO_TERM):
     (loss, met), grad = got[i]
     np.testing.assert_allclose([loss, met["pg_loss"]], [want[0][i][0][0] + want[1][i][0][0]] * 2,
                                **TOL, err_msg=str(cfg))
-    g_want = np.zeros(logp.shape, np.float32)
-    np.add.at(g_want, (bb[ok], idx[ok]), want[0][i][1][ok] + want[1][i][1][ok])
+    g_want = packed_grad(idx, want[0][i][1] + want[1][i][1], logp.shape)
     np.testing.assert_allclose(grad, g_want, **TOL, err_msg=f"grad: {cfg}")
 
 

@@ -48,9 +48,9 @@ from tree_rl.tree.batch import Buckets, TreeBatch, pack
 from tree_rl.tree.rollout_tree import Node, RolloutTree
 from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag, NodeKind
 
+BRANCH_TIMINGS = ("per_minibatch", "per_step")
 # Scoring runs on one-leaf chain trees padded to these sizes, so the jitted
 # scorer compiles once per bucket rather than once per rollout shape.
-BRANCH_TIMINGS = ("per_minibatch", "per_step")
 _CHAIN_BUCKETS = Buckets(trees=tuple(2**i for i in range(13)))
 
 
