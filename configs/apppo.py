@@ -37,12 +37,15 @@ def get_config(arg=None):
   c.task.num_eval_tasks = 16
   c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
   c.rollout.max_context_tokens = 2048
+  c.model.lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj")
   c.prompts_per_step = 2
-  c.num_steps = 4
+  c.num_steps = 3
   c.optim.lr = 1e-4
+  # SFT steps take 4 tasks of one system prompt, merged into one tree (the prompt once).
   c.sft.steps = 10
-  c.sft.tasks_per_step = 2
-  c.sft.lr = 1e-3
+  c.sft.tasks_per_step = 4
+  c.sft.lr = 2e-3
   c = common.apply_common_args(c, arg)
   if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)

@@ -47,6 +47,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
   c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
   c.profile = dict(mode="", start_step=1, num_steps=1)
+  # The reasoning judge (AWPO's R_reason): kind "" (none), "rubric" (offline) or "llm".
+  c.judge = dict(kind="", base_url="", model="", api_key_env="OPENAI_API_KEY", timeout_s=30.0,
+                 max_retries=3, votes=1, temperature=0.0, max_tokens=512, cache_path="")
   c.num_steps = 10
   c.prompts_per_step = 4
   c.eval_every_steps = 0

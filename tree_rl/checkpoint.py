@@ -13,7 +13,9 @@ configuration, so the NNX graph, the optimizer's pytree structure and the
 shardings come from code, not from the checkpoint. A checkpoint written by a
 different configuration (other model, LoRA rank, optimizer) fails with an
 error that names the first mismatching leaf. Everything that is not an array
-(RNG key data, data position, method state, metrics) travels as JSON.
+(RNG key data, data position, metrics) travels as JSON. Method state (TRACE's
+success predictor) is split the same way: its JSON part in the metadata, its
+arrays as an optional `extra` item saved and restored like the train state.
 Orbax writes each step to a temporary directory and renames it when complete,
 so a crash mid-save leaves the previous checkpoint intact.
 """
@@ -49,29 +51,35 @@ class RunCheckpointer:
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep_last, create=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "meta": ocp.JsonCheckpointHandler()})
+                       "meta": ocp.JsonCheckpointHandler(),
+                       "extra": ocp.StandardCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
-  def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-    """Writes step `step` and waits until it is on disk."""
-    self.manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_leaf_dict(state)), meta=ocp.args.JsonSave(meta)))
+  def save(self, step: int, state: Any, meta: dict[str, Any], extra: Any = None) -> None:
+    """Writes step `step` and waits until it is on disk.
+
+    `extra` is an optional pytree of arrays saved beside the train state (method
+    state, e.g. TRACE's predictor weights); `restore_extra` reads it back.
+    """
+    items = {"state": ocp.args.StandardSave(_leaf_dict(state)), "meta": ocp.args.JsonSave(meta)}
+    if extra is not None:
+      items["extra"] = ocp.args.StandardSave(_leaf_dict(extra))
+    self.manager.save(step, args=ocp.args.Composite(**items))
     self.manager.wait_until_finished()
 
-  def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-    """(state with `target`'s structure and the saved leaves, metadata) of `step` (default latest).
-
-    Raises:
-      FileNotFoundError: no checkpoint in the directory.
-      ValueError: the checkpoint was written by a different configuration.
-    """
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    leaves, treedef = jax.tree.flatten(target)
-    saved = self.manager.item_metadata(step)["state"]
+  def _abstract(self, step: int, item: str, target: Any) -> dict[str, Any]:
+    """`target`'s leaves as restore targets, after checking them against item `item` of `step`."""
+    leaves = jax.tree.leaves(target)
+    try:
+      saved = self.manager.item_metadata(step)[item]
+    except KeyError:
+      saved = None
+    if saved is None:
+      raise FileNotFoundError(f"checkpoint {self.directory}/{step} holds no {item!r} item: it was "
+                              f"written by another configuration; use a fresh --workdir or the "
+                              f"same config")
     if len(saved) != len(leaves):
       raise ValueError(
           f"checkpoint {self.directory}/{step} holds {len(saved)} arrays but this configuration "
@@ -83,12 +91,40 @@ class RunCheckpointer:
         raise ValueError(f"checkpoint {self.directory}/{step}: array {key} has shape {shape}, "
                          f"this configuration expects {tuple(np.shape(leaf))}; use a fresh "
                          f"--workdir or the same config")
-    abstract = {k: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
-                for k, x in _leaf_dict(target).items()}
+    return {k: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=getattr(x, "sharding", None))
+            for k, x in _leaf_dict(target).items()}
+
+  def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
+    """(state with `target`'s structure and the saved leaves, metadata) of `step` (default latest).
+
+    Raises:
+      FileNotFoundError: no checkpoint in the directory.
+      ValueError: the checkpoint was written by a different configuration.
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    abstract = self._abstract(step, "state", target)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    treedef = jax.tree.structure(target)
     state = jax.tree.unflatten(treedef, [out["state"][k] for k in sorted(out["state"])])
     return state, dict(out["meta"])
+
+  def restore_extra(self, target: Any, step: int | None = None) -> Any:
+    """The `extra` arrays saved at `step` (default latest), in `target`'s structure.
+
+    Raises:
+      FileNotFoundError: no checkpoint, or one saved without `extra`.
+      ValueError: the arrays do not match `target`'s (another configuration).
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    abstract = self._abstract(step, "extra", target)
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        extra=ocp.args.StandardRestore(abstract)))["extra"]
+    return jax.tree.unflatten(jax.tree.structure(target), [out[k] for k in sorted(out)])
 
   def close(self) -> None:
     self.manager.wait_until_finished()

@@ -17,7 +17,10 @@ from typing import Any
 from tree_rl.algos import registry
 from tree_rl.algos.losses import LossConfig
 from tree_rl.envs import FAMILIES
+from tree_rl.rewards.judge import JudgeConfig
+from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.strategies import STRATEGIES
+from tree_rl.rollout.strategies.trace import check_predictor
 
 MODELS = ("smollm2", "tiny", "hf")
 ENGINES = ("jax", "vllm")
@@ -113,6 +116,12 @@ class RolloutSpec:
   def __post_init__(self):
     _choice("rollout", "engine", self.engine, ENGINES)
     _choice("rollout", "strategy", self.strategy, STRATEGIES)
+    if self.strategy == "trace":  # the success predictor, by name (built by the trainer)
+      kw = self.strategy_kwargs
+      try:
+        check_predictor(kw.get("predictor", "running_mean"), kw.get("predictor_kwargs"))
+      except ValueError as e:
+        raise ValueError(f"config.rollout.strategy_kwargs: {e}") from None
     _positive("rollout", samples_per_task=self.samples_per_task,
               max_new_tokens=self.max_new_tokens, cache_rows=self.cache_rows)
     if self.max_context_tokens < self.max_new_tokens + 1:
@@ -174,6 +183,45 @@ class ProfileSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class JudgeSpec:
+  """The reasoning judge: AWPO's R_reason of every leaf, in leaf channel "reasoning".
+
+  kind: "" (none), "rubric" (offline rules against the task's oracle trajectory,
+  `tree_rl.rewards.rubric`) or "llm" (`LLMJudge` at an OpenAI-compatible `base_url`
+  serving `model`; the other fields are its JudgeConfig's). A judge call that fails
+  after its retries leaves the leaf without a score (AWPO's E12), never stops the run.
+  """
+
+  kind: str = ""
+  base_url: str = ""  # e.g. "http://127.0.0.1:8000/v1" (a vLLM server)
+  model: str = ""
+  api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the token
+  timeout_s: float = 30.0
+  max_retries: int = 3
+  votes: int = 1
+  temperature: float = 0.0
+  max_tokens: int = 512
+  cache_path: str = ""  # a JSONL reply cache ("": in memory only)
+
+  def __post_init__(self):
+    _choice("judge", "kind", self.kind, JUDGE_KINDS)
+    if self.kind == "llm" and not (self.base_url and self.model):
+      raise ValueError("config.judge.kind='llm' needs config.judge.base_url (an OpenAI-compatible "
+                       "API root, e.g. http://127.0.0.1:8000/v1) and config.judge.model")
+    if self.kind == "llm":
+      self.judge_config()  # validates the endpoint and the numbers
+
+  def judge_config(self) -> JudgeConfig | None:
+    """The LLMJudge's configuration (None unless kind is "llm")."""
+    if self.kind != "llm":
+      return None
+    return JudgeConfig(base_url=self.base_url, model=self.model, api_key_env=self.api_key_env,
+                       timeout_s=self.timeout_s, max_retries=self.max_retries, votes=self.votes,
+                       temperature=self.temperature, max_tokens=self.max_tokens,
+                       cache_path=self.cache_path or None)
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
   model: ModelSpec
   task: TaskSpec
@@ -182,6 +230,7 @@ class RunConfig:
   optim: OptimSpec
   sft: SFTSpec
   profile: ProfileSpec
+  judge: JudgeSpec
   num_steps: int = 10
   prompts_per_step: int = 4
   eval_every_steps: int = 0  # 0: only before and after training
@@ -191,11 +240,17 @@ class RunConfig:
   resume: str = ""  # another run's checkpoint directory
 
   SECTIONS = {"model": ModelSpec, "task": TaskSpec, "rollout": RolloutSpec, "algo": AlgoSpec,
-              "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec}
+              "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec, "judge": JudgeSpec}
 
   def __post_init__(self):
     _positive("", num_steps=self.num_steps, prompts_per_step=self.prompts_per_step,
               ckpt_every_steps=self.ckpt_every_steps, keep_checkpoints=self.keep_checkpoints)
+    if self.algo.estimator == "awpo" and not self.judge.kind:
+      # No silent default: the judge is half of AWPO's reward (eq. 20).
+      raise ValueError(
+          "config.algo.estimator='awpo' needs a reasoning judge for R_reason: set "
+          "config.judge.kind='rubric' (offline, graded against the task's oracle) or 'llm' "
+          "with config.judge.base_url and config.judge.model (configs/awpo.py sets 'rubric')")
 
   @classmethod
   def from_config_dict(cls, config: Any) -> "RunConfig":

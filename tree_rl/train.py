@@ -1,7 +1,8 @@
 """`train_and_evaluate(config, workdir)`: the one training entry (CLI, tests, notebooks).
 
 Per step: grow one tree per prompt with the agent loop -> rewards (the family's
-verifier on each leaf, the formatting rubric on each step) -> pack -> the jitted
+verifier on each leaf, the configured reasoning judge's score on each leaf when
+`config.judge.kind` is set, the formatting rubric on each step) -> pack -> the jitted
 `update_step` (advantages by the configured estimator, PPO epochs x minibatches)
 -> weight sync to the rollout engine -> periodic eval and checkpoint. Before RL,
 an optional SFT warm start trains on the family's oracle trajectories, masked
@@ -32,13 +33,15 @@ from tree_rl.config_types import ModelSpec, RunConfig
 from tree_rl.envs import make_family
 from tree_rl.evaluate import evaluate
 from tree_rl.models import Decoder, LoRAConfig, ModelConfig
+from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
 from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.policy import engine_policy, oracle_engine
-from tree_rl.rollout.strategies import make_strategy, model_scorer
+from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
 from tree_rl.tree.batch import Buckets, pack
+from tree_rl.tree.rollout_tree import RolloutTree
 
 EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
              "avg_formatting_raw"]
@@ -95,6 +98,10 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
   elif r.strategy == "arpo":
     kw.setdefault("initial_rollouts", r.samples_per_task)
     kw.setdefault("budget", 2 * r.samples_per_task)
+  elif r.strategy == "trace":  # the success predictor, by name, over the policy's vocabulary
+    kw["predictor"] = make_predictor(kw.get("predictor", "running_mean"),
+                                     vocab_size=policy_model.config.vocab_size, seed=cfg.seed,
+                                     **kw.pop("predictor_kwargs", {}))
   if r.strategy in ("portool", "appo", "arpo", "random"):
     kw.setdefault("seed", cfg.seed)
   return make_strategy(r.strategy, **kw)
@@ -188,12 +195,47 @@ def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, weight_decay=o.weight_decay))
 
 
-def _pack(trees, buckets: Buckets):
-  """Packs the trees that have leaves (a tree can lose every episode to a full context)."""
+def _save(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any], strategy: Any
+          ) -> None:
+  """Saves the run. A strategy with learned state (TRACE's predictor) saves it too: the
+  JSON part in meta["method_state"], the arrays as the checkpoint's extra item."""
+  extra = None
+  if hasattr(strategy, "state_dict"):
+    method = strategy.state_dict()
+    meta["method_state"], extra = method["meta"], method["arrays"] or None
+  ckpt.save(step, state, meta, extra=extra)
+
+
+def _restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str, Any]) -> None:
+  """Loads what `_save` stored for the strategy (a checkpoint without it: nothing)."""
+  if not hasattr(strategy, "load_state_dict") or "method_state" not in meta:
+    return
+  arrays = strategy.state_dict()["arrays"]  # a fresh state: the structure to restore into
+  strategy.load_state_dict({"meta": meta["method_state"],
+                            "arrays": source.restore_extra(arrays) if arrays else arrays})
+
+
+def _by_system_prompt(tasks: list, n: int) -> list:
+  """`tasks` reordered so that consecutive runs of `n` share a system prompt where they can
+  (SFT merges a step's trajectories below their shared prompt prefix) while successive
+  runs rotate through the prompts: each prompt's tasks are cut into runs of `n`, and the
+  runs are interleaved round-robin (prompts in order of first appearance)."""
+  groups: dict[str, list] = {}
+  for t in tasks:
+    first = t.messages[0] if t.messages else {}
+    groups.setdefault(first.get("content", "") if first.get("role") == "system" else "", []
+                      ).append(t)
+  runs = [[g[i:i + n] for i in range(0, len(g), n)] for g in groups.values()]
+  return [t for k in range(max(map(len, runs))) for g in runs if k < len(g) for t in g[k]]
+
+
+def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
+  """Packs the trees that have leaves (a tree can lose every episode to a full context);
+  leaf channels in `absent_as_nan` are NaN where a leaf lacks them (AWPO's E12)."""
   kept = [t for t in trees if t.leaves]
   if not kept:
     return None, len(trees)
-  return pack(kept, buckets), len(trees) - len(kept)
+  return pack(kept, buckets, absent_as_nan=absent_as_nan), len(trees) - len(kept)
 
 
 # Packed row lengths: multiples of 256 up to 8k tokens, then powers of two. A new
@@ -280,6 +322,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
   eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
+  # The reasoning judge scores every leaf into channel "reasoning" (AWPO's R_reason); a
+  # leaf it could not score is NaN for AWPO, whose group then uses the outcome alone.
+  reasoning = make_reasoning_scorer(cfg.judge.kind, family, train_tasks, cfg.judge.judge_config())
+  unscored = (REASONING_CHANNEL,) if cfg.algo.estimator == "awpo" else ()
   writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps)
   timer = metrics_lib.PhaseTimer()
 
@@ -318,9 +364,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   # variables are updated in place after every step.
   policy_model = state.model()
   strategy = _strategy(cfg, ppo_config.estimator_config, policy_model)
+  if source is not None:
+    _restore_method_state(strategy, source, meta)
   agent = AgentLoop(engine, chat, family, AgentConfig(
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
-      max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy)
+      max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy,
+      leaf_rewards=reasoning)
   buckets = _buckets(cfg.prompts_per_step)
 
   # ============================== Update step ==============================
@@ -360,6 +409,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     meta["eval"][stage] = m
     writer.write(step, {f"eval/{k}": v for k, v in m.items()})
     report.to_json(str(workdir_path / f"eval_{stage}.json"))
+    with open(workdir_path / f"eval_{stage}_transcripts.jsonl", "w", encoding="utf-8") as f:
+      for rec, ep in zip(report.records, report.episodes):  # what the model said, per task
+        f.write(json.dumps({"task_id": ep.task_id, "correct": ep.correct, "reward": ep.reward,
+                            "question": rec.task.messages[-1]["content"],
+                            "answer": rec.task.answer,
+                            "episode": list(rec.messages[len(rec.task.messages):])},
+                           default=str, ensure_ascii=False) + "\n")
     return m
 
   stop = _StopFlag()
@@ -376,10 +432,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
       n = cfg.sft.tasks_per_step
-      sft_buckets = _buckets(n)
+      order = _by_system_prompt(train_tasks, n)
       for i in range(cfg.sft.steps):
-        tasks = [train_tasks[(i * n + j) % len(train_tasks)] for j in range(n)]
-        batch, _ = _pack(teacher.rollout(tasks), sft_buckets)
+        tasks = [order[(i * n + j) % len(order)] for j in range(n)]
+        # One tree per step: the step's trajectories store their shared prompt once.
+        trees = [t for t in teacher.rollout(tasks) if t.leaves]
+        batch, _ = _pack([RolloutTree.merge_prompts(trees)], _buckets(1))
         sft_state, m = sft_step(fit(sft_state, batch), batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
@@ -405,11 +463,12 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           state, trees, n_empty, m = _appo_minibatch_step(
               agent, strategy, tasks, cfg.algo.num_minibatches, state,
               lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
-              lambda trees: _pack(trees, minibatch_buckets), sync_weights, update_key, timer)
+              lambda trees: _pack(trees, minibatch_buckets, unscored), sync_weights, update_key,
+              timer)
         else:
           with timer("rollout"):
             trees = agent.rollout(tasks)
-          batch, n_empty = _pack(trees, buckets)
+          batch, n_empty = _pack(trees, buckets, unscored)
           m = None
           if batch is not None:
             with timer("update"):
@@ -431,7 +490,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           if leaves else float("nan"),
           "rollout/truncated_frac": stats.num_truncated / max(stats.num_episodes, 1),
           "rollout/policy_tokens": float(stats.num_policy_tokens),
-          "rollout/empty_trees": float(n_empty), **timer.pop()})
+          "rollout/empty_trees": float(n_empty), **timer.pop(),
+          **getattr(strategy, "last_metrics", {})})
+      if reasoning is not None:
+        row.update(reasoning.step_metrics([lf.rewards for lf in leaves]))
       meta["step"] = step
       writer.write(step, row)
       done += 1
@@ -439,13 +501,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.num_steps:
         run_eval(f"step{step}", step)
       if step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set:
-        ckpt.save(step, state, meta)
+        _save(ckpt, step, state, meta, strategy)
       if stop.set:
         break
 
     if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
       run_eval("rl", cfg.num_steps)
-      ckpt.save(cfg.num_steps, state, meta)
+      _save(ckpt, cfg.num_steps, state, meta, strategy)
   finally:
     stop.restore()
     ckpt.close()

@@ -11,6 +11,9 @@ from tree_rl.envs.toolworld.oracle import all_of, date_answer, number, string, t
 @pytest.mark.parametrize("truth, text, ok", [
     (number(541.3), "The drive is 541.3 km.", True),
     (number(541.3), "roughly 541 km", True),  # the answer's own precision
+    (number(14.5, rel_tol=0.01), "28.5 Celsius, 14 days ahead", False),  # a tie rounds up
+    (number(14.5, rel_tol=0.01), "about 15 degrees", False),  # 15 is 3.4% off, and a tie
+    (number(14.46, rel_tol=0.01), "about 14 degrees", True),
     (number(541.3), "about 536 km", True),  # within 1%
     (number(541.3), "about 530 km", False),
     (number(1234567), "about 1.23 million people", True),

@@ -159,3 +159,37 @@ def test_bad_configs_and_checkpoints_fail_clearly(tmp_path):
     load_hf(str(tmp_path / "m"))
   with open(tmp_path / "m" / "config.json") as f:
     assert json.load(f)["architectures"] == ["Qwen2ForCausalLM"]
+
+
+@split_jit
+def _full_and_policy_only(model, batch, narrow):
+  mask = batch.loss_mask.astype(jnp.float32)
+
+  graphdef, params = nnx.split(model)
+
+  def loss(p, b):
+    lp, ent = tree_logprobs(nnx.merge(graphdef, p), b, chunk=8, policy_only=True)
+    return ((lp + 0.1 * ent) * mask).sum(), (lp, ent)
+
+  (_, full), g_full = jax.value_and_grad(loss, has_aux=True)(params, batch)
+  (_, part), g_part = jax.value_and_grad(loss, has_aux=True)(params, narrow)
+  lp, _ = tree_logprobs(model, batch, chunk=8)
+  return full, part, g_full, g_part, lp
+
+
+@settings(SETTINGS, max_examples=8)
+@given(trees=st.lists(S.general_tree(max_nodes=30), min_size=1, max_size=3))
+def test_policy_only_logprobs_gather_the_policy_tokens(trees):
+  batch = pack(trees, BUCKETS)
+  need = int(np.asarray(batch.loss_mask).sum(1).max())
+  # The narrowest width that holds every row's policy tokens (pack buckets it to 256+).
+  narrow = dataclasses.replace(batch, max_loss_tokens=-(-need // 8) * 8)
+  assume_narrower = narrow.max_loss_tokens < batch.tokens.shape[1]
+  full, part, g_full, g_part, lp = _full_and_policy_only([MODELS["llama"]], batch, narrow)
+  mask = np.asarray(batch.loss_mask)
+  for a, b in zip(full, part):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    assert not np.asarray(b)[~mask].any()  # 0 off the policy tokens
+  np.testing.assert_allclose(np.asarray(full[0])[mask], np.asarray(lp)[mask], atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), g_full, g_part)
+  assert assume_narrower or need > batch.tokens.shape[1] - 8

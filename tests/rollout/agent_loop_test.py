@@ -121,3 +121,24 @@ def test_bad_tool_calls_become_errors_and_truncated_leaves(chat, tokenizer):
       assert "Error [unknown_tool]" in env_text and "no_such_tool" in env_text
       # think + tag + JSON + fields, but the call failed: 0.45 (PORTool's rubric).
       assert tree.nodes[path[1]].rewards["format"] == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("name", ["bfcl", "toolworld"])
+def test_leaf_rewards_scorer_adds_its_channel_to_every_leaf(chat, tokenizer, name):
+  from tree_rl.rewards.reasoning import make_reasoning_scorer
+
+  family = make_family(name)
+  tasks = family.generate("train", 3, seed=0)
+  # The oracle's own steps, sampled token by token, match the oracle: rubric score 1.
+  loop = AgentLoop(oracle_engine(tasks, chat), chat, family,
+                   AgentConfig(samples_per_task=2, max_context_tokens=8192,
+                               sampling=SamplingParams(max_new_tokens=512)),
+                   leaf_rewards=make_reasoning_scorer("rubric", family, tasks))
+  for tree in loop.rollout(tasks):
+    tree.check(vocab_size=len(tokenizer), reward_channels=("outcome", "reasoning"))
+    assert [leaf.rewards["reasoning"] for leaf in tree.leaves] == [1.0, 1.0]
+  # Without a scorer the leaf holds the outcome only.
+  plain = AgentLoop(oracle_engine(tasks, chat), chat, family,
+                    AgentConfig(samples_per_task=1, max_context_tokens=8192,
+                                sampling=SamplingParams(max_new_tokens=512)))
+  assert all(set(leaf.rewards) == {"outcome"} for t in plain.rollout(tasks) for leaf in t.leaves)

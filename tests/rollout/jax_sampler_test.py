@@ -98,6 +98,21 @@ def test_forks_prefill_the_shared_context_once(model):
   assert eng.stats["prefill_tokens"] == 20 + 12 + 1
 
 
+def test_a_small_call_works_on_its_own_rows_and_leaves_the_others(model):
+  eng = JaxSampler(model, rows=8, slots=64)
+  ctxs = [_ctx(20 + i, 6 + i) for i in range(8)]
+  first = eng.generate([GenerationRequest(c, GREEDY) for c in ctxs])
+  # One request: a one-row program, written to the least recently used row only.
+  (alone,) = eng.generate([GenerationRequest(_ctx(40, 9), GREEDY)])
+  assert alone.tokens == _argmax_decode(model, _ctx(40, 9), 8)
+  nxt = eng.generate([GenerationRequest(c + r.tokens, GREEDY) for c, r in zip(ctxs, first)])
+  # Seven rows kept their contexts (only the last context token reruns); one row was
+  # taken by the lone request, so its context is prefilled again.
+  assert sorted(r.prefill_tokens for r in nxt) == [1] * 7 + [len(ctxs[0] + first[0].tokens)]
+  for c, r0, r in zip(ctxs, first, nxt):
+    assert r.tokens == _argmax_decode(model, c + r0.tokens, 8)
+
+
 def test_branch_continues_exactly_the_parents_context(model):
   eng = JaxSampler(model, rows=4, slots=64, seed=1)
   ctx = _ctx(7)

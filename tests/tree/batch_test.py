@@ -40,6 +40,16 @@ def test_buckets_pick_smallest_fit_and_name_overflow():
     pack(trees, Buckets(tokens=(8,)))
 
 
+def test_absent_channel_packs_as_nan_only_when_asked():
+  t = small_tree()
+  t.leaves[0].rewards["reasoning"] = 0.75  # leaves 1 and 2 have no judge score
+  sizes = Buckets(tokens=(16,), leaves=(4,))
+  b = pack([t], sizes, absent_as_nan=("reasoning",))
+  np.testing.assert_allclose(b.leaf_rewards("reasoning")[0], [0.75, np.nan, np.nan, 0.0])
+  np.testing.assert_allclose(b.leaf_rewards("outcome")[0], [1, 0, -1, 0])
+  np.testing.assert_allclose(pack([t], sizes).leaf_rewards("reasoning")[0], [0.75, 0, 0, 0])
+
+
 def test_pack_checks_each_tree_and_names_it():
   bad = small_tree()
   bad.nodes[4].tokens[0] = 99

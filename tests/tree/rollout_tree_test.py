@@ -4,6 +4,7 @@ import json
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests import strategies as S
 from tree_rl.tree import LeafTag, NodeKind, RolloutTree, TreeError
@@ -113,3 +114,43 @@ def test_json_refuses_nan_and_names_missing_fields():
   with pytest.raises(TreeError, match="unknown 'TOOL'"):
     RolloutTree.from_dict({"nodes": [{"parent": -1, "kind": "tool", "tokens": [1]}],
                            "leaves": []})
+
+
+def _leaf_contexts(t: RolloutTree):
+  """Per leaf: (tokens, kinds, behaviour log-probs) along its root-to-leaf path, and rewards."""
+  out = []
+  for leaf, path in zip(t.leaves, t.leaf_paths()):
+    nodes = [t.nodes[i] for i in path]
+    out.append((tuple(x for n in nodes for x in n.tokens),
+                tuple(n.kind == NodeKind.POLICY for n in nodes for _ in n.tokens),
+                tuple(x for n in nodes if n.logprobs for x in n.logprobs),
+                tuple(sorted(leaf.rewards.items())), leaf.truncated, leaf.tag))
+  return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(S.general_tree(max_nodes=12, max_leaves=4), min_size=2, max_size=4),
+       st.integers(1, 5))
+def test_merge_prompts_keeps_every_trajectory_and_stores_the_prefix_once(trees, shared):
+  prefix = [900 + i for i in range(shared)]
+  for k, t in enumerate(trees):  # a shared system prompt, then a per-task rest
+    t.nodes[0].tokens = prefix + [800 + k] + t.nodes[0].tokens
+  merged = RolloutTree.merge_prompts(trees)
+  merged.check()
+  assert merged.nodes[0].tokens == prefix
+  assert _leaf_contexts(merged) == [c for t in trees for c in _leaf_contexts(t)]
+  assert merged.num_tokens() == sum(t.num_tokens() for t in trees) - (len(trees) - 1) * shared
+  assert merged.meta["merged"] == [t.meta for t in trees]
+
+
+def test_merge_prompts_keeps_a_rest_and_refuses_unrelated_prompts():
+  a, b = small_tree(), small_tree()  # identical prompts: the rest is their last token
+  merged = RolloutTree.merge_prompts([a, b])
+  assert merged.nodes[0].tokens == [1, 2]
+  assert [merged.nodes[i].tokens for i, n in enumerate(merged.nodes) if n.parent == 0] == [[3], [3]]
+  c = small_tree()
+  c.nodes[0].tokens = [7, 2, 3]
+  with pytest.raises(TreeError, match="share no leading token"):
+    RolloutTree.merge_prompts([a, c])
+  with pytest.raises(TreeError, match="no trees"):
+    RolloutTree.merge_prompts([])

@@ -112,12 +112,13 @@ def make_update_step(config: PPOConfig, optimizer: optax.GradientTransformation)
   def loss_fn(params, state: TrainState, mb: TreeBatch, adv: Advantages | None):
     model = state.model(params)
     st = derived.structure(mb)
-    logp, ent = tree_logprobs(model, mb, st, chunk=config.logprob_chunk)
+    logp, ent = tree_logprobs(model, mb, st, chunk=config.logprob_chunk, policy_only=True)
     if adv is None:  # policy-dependent estimator (APPO): current policy, no gradient
       adv = advantages_for(mb, lax.stop_gradient(logp), lax.stop_gradient(ent))
     ref_logp = None
     if config.loss.kl_coef > 0:
-      ref_logp, _ = tree_logprobs(state.model(state.ref), mb, st, chunk=config.logprob_chunk)
+      ref_logp, _ = tree_logprobs(state.model(state.ref), mb, st, chunk=config.logprob_chunk,
+                                  policy_only=True)
       ref_logp = lax.stop_gradient(ref_logp)
     loss, metrics = policy_loss(logp, mb, adv, config.loss, ref_logp=ref_logp, entropy=ent, st=st)
     metrics = dict(metrics, loss=loss, **{f"adv/{k}": v for k, v in adv.metrics.items()})

@@ -23,7 +23,7 @@ def make_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 
     mask = batch.loss_mask.astype(jnp.float32)
 
     def loss_fn(params):
-      lp, _ = tree_logprobs(state.model(params), batch, chunk=logprob_chunk)
+      lp, _ = tree_logprobs(state.model(params), batch, chunk=logprob_chunk, policy_only=True)
       return -(lp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)

@@ -11,7 +11,8 @@ Host-side allocators (numpy; they run between rollout stages, outside any jitted
   / allocate_prefixes             and 1 - q^k, allocated greedily (eqs. 15-16, 34).
 
 Jitted tree statistics on a TreeBatch:
-  backed_up_targets   the predictor's regression targets n_y and V_hat (eq. 18).
+  backed_up_targets   the predictor's regression targets n_y and V_hat (eq. 18); the learned
+                      predictor that fits them is `tree_rl.algos.trace_value`.
   effective_ratio     fraction of trees whose leaf rewards are not all equal (eq. 21).
 
 Predicted probabilities are clipped to [eps, 1 - eps] before allocation (spec §6.4, our

@@ -51,20 +51,37 @@ def chunked_logprobs(
 
 
 def tree_logprobs(
-    model: Decoder, batch: TreeBatch, st: derived.TreeStructure | None = None, chunk: int = 512
+    model: Decoder, batch: TreeBatch, st: derived.TreeStructure | None = None, chunk: int = 512,
+    policy_only: bool = False,
 ) -> tuple[Float[Array, "B L"], Float[Array, "B L"]]:
   """`[B, L]` log-probs and entropies of every packed token given its context.
 
   0 where a token has no context (the root's first token) and on padding.
+  `policy_only`: score the policy tokens only (0 elsewhere), which is all a loss
+  reads. With `batch.max_loss_tokens` known, the vocabulary projection then runs
+  on that many gathered tokens per row instead of all L (prompts and tool replies
+  are most of a tool-use tree).
   """
   st = derived.structure(batch) if st is None else st
   tree = TreeMask(batch.node_of_token, st.ancestor)
   h = model.hidden(batch.tokens, batch.positions, tree)
   prev = derived.prev_token_index(batch)
-  h_prev = jnp.take_along_axis(h, jnp.maximum(prev, 0)[..., None], axis=1)
-  lp, ent = chunked_logprobs(h_prev, model.head(), batch.tokens, chunk)
   ok = prev >= 0
-  return jnp.where(ok, lp, 0.0), jnp.where(ok, ent, 0.0)
+  p, l = batch.max_loss_tokens, batch.tokens.shape[1]
+  if not (policy_only and 0 < p < l):
+    h_prev = jnp.take_along_axis(h, jnp.maximum(prev, 0)[..., None], axis=1)
+    lp, ent = chunked_logprobs(h_prev, model.head(), batch.tokens, chunk)
+    if policy_only:
+      ok = ok & batch.loss_mask
+    return jnp.where(ok, lp, 0.0), jnp.where(ok, ent, 0.0)
+  # Each row's policy tokens first, in order (a stable sort), then the first p.
+  idx = jnp.argsort((~batch.loss_mask).astype(jnp.int32), axis=1, stable=True)[:, :p]
+  take = lambda x: jnp.take_along_axis(x, idx, axis=1)
+  h_sel = jnp.take_along_axis(h, jnp.maximum(take(prev), 0)[..., None], axis=1)
+  lp, ent = chunked_logprobs(h_sel, model.head(), take(batch.tokens), chunk)
+  keep = take(ok & batch.loss_mask)
+  scatter = jax.vmap(lambda x, i: jnp.zeros((l,), x.dtype).at[i].set(x))
+  return scatter(jnp.where(keep, lp, 0.0), idx), scatter(jnp.where(keep, ent, 0.0), idx)
 
 
 def sequence_logprobs(

@@ -10,8 +10,9 @@ harness); the tool replies and the chat template's glue become an env node.
 Episodes end on a final answer or a successful terminal tool call, or are
 truncated (flagged, never dropped) at the turn limit, when a step is cut by the
 per-step token limit, or when the context window is full. The leaf records the
-family's outcome reward; each policy node records PORTool's formatting score
-of its step. The turn mechanics and the forks live in
+family's outcome reward (and the channels of an optional `leaf_rewards`
+scorer, e.g. AWPO's judge score); each policy node records PORTool's
+formatting score of its step. The turn mechanics and the forks live in
 `tree_rl.rollout.branching`.
 
 How the trees grow is the branching strategy's choice
@@ -30,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tree_rl.envs.base import Task
-from tree_rl.rollout.branching import Forest
+from tree_rl.rollout.branching import Forest, LeafRewards
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import RolloutEngine, SamplingParams
 from tree_rl.rollout.strategies import BranchingStrategy, FlatStrategy
@@ -89,12 +90,16 @@ class AgentLoop:
     family: the task family (tools, turn limit, verifier).
     config: AgentConfig.
     strategy: how the trees grow; None is a flat group of `config.samples_per_task`.
+    leaf_rewards: extra leaf reward channels of each ended episode, (task, messages,
+      truncated) -> {channel: value} (AWPO's `ReasoningScorer`); None: the outcome only.
   """
 
   def __init__(self, engine: RolloutEngine, chat: ChatFormat, family: Any,
-               config: AgentConfig = AgentConfig(), strategy: BranchingStrategy | None = None):
+               config: AgentConfig = AgentConfig(), strategy: BranchingStrategy | None = None,
+               leaf_rewards: LeafRewards | None = None):
     self.engine, self.chat, self.family, self.config = engine, chat, family, config
     self.strategy = strategy or FlatStrategy(n=config.samples_per_task)
+    self.leaf_rewards = leaf_rewards
     self.last_stats: RolloutStats | None = None
 
   def rollout(self, tasks: Sequence[Task]) -> list[RolloutTree]:
@@ -117,7 +122,7 @@ class AgentLoop:
     with concurrent.futures.ThreadPoolExecutor(cfg.tool_workers) as pool:
       yield Forest(self.engine, self.chat, self.family, tasks, pool, sampling=cfg.sampling,
                    max_turns=cfg.max_turns or self.family.max_turns,
-                   max_context_tokens=cfg.max_context_tokens)
+                   max_context_tokens=cfg.max_context_tokens, leaf_rewards=self.leaf_rewards)
 
   def close_forest(self, forest: Forest) -> list[RolloutTree]:
     """`forest.finish()`'s trees, tagged with the strategy; sets `last_stats`."""

@@ -37,9 +37,12 @@ so its answer is not trusted. When the engine cannot sample a single token
 (the prompt alone fills the context), the episode ends truncated on the node it
 stands on if that node is otherwise childless (a too-long prompt gives a root
 leaf, so no tree is lost); else it is counted in `tree.meta["dropped_episodes"]`.
-The leaf records the family's outcome reward and its tag (INIT for the initial
-rollouts, BRANCH for forks); each step's last policy node records PORTool's
-formatting score of the step in `rewards["format"]`.
+The leaf records the family's outcome reward, any channels of the optional
+`leaf_rewards` scorer (AWPO's judge score under "reasoning"; the episodes that
+end in one turn are scored concurrently on the tool pool, since a judge is a
+network call) and its tag (INIT for the initial rollouts, BRANCH for forks);
+each step's last policy node records PORTool's formatting score of the step in
+`rewards["format"]`.
 
 Tool state is shared: every episode of a task calls the same `ToolExecutor` (as
 in the flat loop), so forks of stateful tools see one world. Replaying a
@@ -51,7 +54,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tree_rl.envs.base import Message, Task
@@ -61,6 +64,9 @@ from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
 from tree_rl.tree.rollout_tree import RolloutTree, TreeError
 from tree_rl.tree.types import LeafTag, NodeKind
+
+# Extra leaf reward channels of an ended episode: (task, messages, truncated) -> channels.
+LeafRewards = Callable[[Task, Sequence[Message], bool], Mapping[str, float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,12 +119,14 @@ class Forest:
     sampling: per-step sampling parameters.
     max_turns: assistant steps per episode (a strategy may reset it: PORTool sets its T_max).
     max_context_tokens: an episode whose context reaches this ends truncated.
+    leaf_rewards: extra leaf channels of each ended episode (None: the outcome only).
   """
 
   def __init__(self, engine: RolloutEngine, chat: ChatFormat, family: Any, tasks: Sequence[Task],
                pool: concurrent.futures.Executor, *, sampling: SamplingParams, max_turns: int,
-               max_context_tokens: int):
+               max_context_tokens: int, leaf_rewards: LeafRewards | None = None):
     self.engine, self.chat, self.family, self.pool = engine, chat, family, pool
+    self.leaf_rewards = leaf_rewards
     self.tasks = list(tasks)
     self.sampling, self.max_turns, self.max_context_tokens = sampling, max_turns, max_context_tokens
     self.trees: list[RolloutTree] = []
@@ -294,8 +302,8 @@ class Forest:
         ended.append(b)
       else:
         still_open.append(b)
-    for b in ended:
-      self._end(b)
+    for b, extra in zip(ended, list(self.pool.map(self._extra_rewards, ended))):
+      self._end(b, extra)
     for b in empty:
       if self._end_empty(b):
         ended.append(b)
@@ -309,10 +317,15 @@ class Forest:
       out.extend(ended)
     return out
 
-  def _end(self, b: Branch) -> None:
+  def _extra_rewards(self, b: Branch) -> Mapping[str, float]:
+    ep = b.episode
+    return self.leaf_rewards(ep.task, ep.messages, b.truncated) if self.leaf_rewards else {}
+
+  def _end(self, b: Branch, extra: Mapping[str, float] | None = None) -> None:
     ep = b.episode
     outcome = self.family.score(ep.task, ep.messages, b.truncated)
-    b.leaf = self.trees[b.tree].add_leaf(b.node, {"outcome": outcome.reward},
+    extra = self._extra_rewards(b) if extra is None else extra
+    b.leaf = self.trees[b.tree].add_leaf(b.node, {"outcome": outcome.reward, **extra},
                                          truncated=b.truncated, tag=b.tag)
     self._live.remove(b)
     self.counts["episodes"] += 1

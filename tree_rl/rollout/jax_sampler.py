@@ -1,7 +1,9 @@
 """The embedded JAX sampler: batched prefill + decode in one jitted program, with a row cache.
 
-Device side, one program per shape bucket (rows R, slots S, prefill length T,
-decode bound M, stop-sequence table) does, for all rows at once:
+Device side, one program per shape bucket (work rows W, slots S, prefill length
+T, decode bound M, stop-sequence table) does, for the call's W rows at once (W:
+the number of requests rounded up to a power of two, at most the cache's rows,
+so a call with 2 requests costs 2 rows of work, not the whole cache):
 
   1. gather rows of the KV cache (`src_rows`): a request starts from the cached
      row that shares its longest prefix (possibly another request's row),
@@ -9,7 +11,8 @@ decode bound M, stop-sequence table) does, for all rows at once:
   3. gather again (`fork_src`): k requests with the same context copy the lead
      row's KV after its prefill, so a shared context is prefilled once,
   4. decode in a `lax.while_loop` over a typed `SamplerState` until every row
-     has hit EOS, a stop sequence, its token budget or the end of the cache.
+     has hit EOS, a stop sequence, its token budget or the end of the cache,
+  5. scatter the W work rows back into their cache rows (`rows`).
 
 Values that change between calls (lengths, sampling knobs, stop tables) are
 arrays, so they do not recompile; the cache is donated. Host side, `JaxSampler`
@@ -46,20 +49,25 @@ _NEG_INF = -jnp.inf
 
 @flax.struct.dataclass
 class SamplerInputs:
-  """Per-call arrays (R rows; T prefill tokens; NS stop sequences of up to MS tokens)."""
+  """Per-call arrays (W work rows; T prefill tokens; NS stop sequences of up to MS tokens).
 
-  src_rows: Int[Array, "R"]  # row r starts as a copy of cache row src_rows[r]
-  keep_len: Int[Array, "R"]  # cached tokens kept in row r (its prefill starts there)
-  new_tokens: Int[Array, "R T"]  # suffix to prefill (lead rows), padded
-  new_len: Int[Array, "R"]
-  fork_src: Int[Array, "R"]  # after prefill, row r copies row fork_src[r]
-  active: Bool[Array, "R"]  # rows that generate in this call
-  temperature: Float[Array, "R"]
-  top_p: Float[Array, "R"]
-  top_k: Int[Array, "R"]
-  max_new: Int[Array, "R"]
+  A call works on W of the cache's rows (the requests' rows, W a power of two),
+  so its prefill and decode cost scales with the requests, not the cache.
+  """
+
+  rows: Int[Array, "W"]  # the cache rows this call writes (distinct)
+  src_rows: Int[Array, "W"]  # work row w starts as a copy of cache row src_rows[w]
+  keep_len: Int[Array, "W"]  # cached tokens kept in work row w (its prefill starts there)
+  new_tokens: Int[Array, "W T"]  # suffix to prefill (lead rows), padded
+  new_len: Int[Array, "W"]
+  fork_src: Int[Array, "W"]  # after prefill, work row w copies work row fork_src[w]
+  active: Bool[Array, "W"]  # rows that generate in this call
+  temperature: Float[Array, "W"]
+  top_p: Float[Array, "W"]
+  top_k: Int[Array, "W"]
+  max_new: Int[Array, "W"]
   stop_seqs: Int[Array, "NS MS"]  # right-aligned token sequences, -1 padded on the left
-  stop_use: Bool[Array, "R NS"]
+  stop_use: Bool[Array, "W NS"]
 
 
 @flax.struct.dataclass
@@ -121,7 +129,8 @@ class SamplerLoop:
 
   def run(self, params, cache: KVCache, inp: SamplerInputs, rng: Array) -> SamplerState:
     model: Decoder = nnx.merge(self.graphdef, params)
-    r, s_len = cache.rows, cache.slots
+    full_cache = cache
+    r, s_len = inp.src_rows.shape[0], cache.slots
     head = model.head()
     # 1-2: start from the best cached row, prefill the uncached suffix.
     cache = KVCache(cache.k[:, inp.src_rows], cache.v[:, inp.src_rows])
@@ -171,7 +180,10 @@ class SamplerLoop:
           window=window, tokens=put(st.tokens, tok, -1), logprobs=put(st.logprobs, lp, 0.0),
           entropies=put(st.entropies, ent, 0.0), cache=cache, rng=rng)
 
-    return lax.while_loop(cond, body, state)
+    out = lax.while_loop(cond, body, state)
+    # The work rows go back to their cache rows; every other row is untouched.
+    return out.replace(cache=KVCache(full_cache.k.at[:, inp.rows].set(out.cache.k),
+                                     full_cache.v.at[:, inp.rows].set(out.cache.v)))
 
   def _prefill(self, model: Decoder, cache: KVCache, inp: SamplerInputs):
     """Runs the suffixes in chunks of `prefill_chunk` tokens; returns each row's last hidden.
@@ -340,40 +352,44 @@ class JaxSampler:
         dest[i] = int(free.pop(0))
         taken.add(dest[i])
 
-    src_rows = np.arange(r, dtype=np.int32)
-    keep_len = np.array([0 if t is None else len(t) for t in self.row_tokens], np.int32)
-    new_len = np.zeros(r, np.int32)
+    # Work rows: request i works in row w = i (cache row dest[i]); a power-of-two
+    # count, padded with other rows that the call leaves as they are (their cached
+    # tokens are kept; only slots past them are scribbled on).
+    w = min(r, _bucket(len(requests), 1))
+    work = dest + free[:w - len(requests)]
+    src_rows = np.array(work, np.int32)
+    keep_len = np.array([0 if self.row_tokens[row] is None else len(self.row_tokens[row])
+                         for row in work], np.int32)
+    new_len = np.zeros(w, np.int32)
     suffixes, prefill = {}, [0] * len(requests)
     for key, i in leads.items():
       row, lcp = sources[i]
       keep = min(lcp, len(key) - 1)  # the last context token always runs
-      src_rows[dest[i]], keep_len[dest[i]] = row, keep
-      suffixes[dest[i]] = ctx[i][keep:]
-      new_len[dest[i]] = len(key) - keep
+      src_rows[i], keep_len[i] = row, keep
+      suffixes[i] = ctx[i][keep:]
+      new_len[i] = len(key) - keep
       prefill[i] = len(key) - keep
       self.stats["reused_tokens"] += keep
     t = min(_bucket(int(new_len.max())), self.slots)
-    new_tokens = np.zeros((r, t), np.int32)
-    for row, suffix in suffixes.items():
-      new_tokens[row, :len(suffix)] = suffix
-    fork_src = np.arange(r, dtype=np.int32)
-    active = np.zeros(r, bool)
-    temperature, top_p = np.ones(r, np.float32), np.ones(r, np.float32)
-    top_k, max_new = np.zeros(r, np.int32), np.ones(r, np.int32)
+    new_tokens = np.zeros((w, t), np.int32)
+    for i, suffix in suffixes.items():
+      new_tokens[i, :len(suffix)] = suffix
+    fork_src = np.arange(w, dtype=np.int32)
+    active = np.zeros(w, bool)
+    temperature, top_p = np.ones(w, np.float32), np.ones(w, np.float32)
+    top_k, max_new = np.zeros(w, np.int32), np.ones(w, np.int32)
     for i, req in enumerate(requests):
-      d = dest[i]
-      fork_src[d] = dest[leads[req.tokens]]
-      active[d] = True
+      fork_src[i] = leads[req.tokens]
+      active[i] = True
       p = req.params
-      temperature[d], top_p[d], top_k[d], max_new[d] = (p.temperature, p.top_p, p.top_k,
+      temperature[i], top_p[i], top_k[i], max_new[i] = (p.temperature, p.top_p, p.top_k,
                                                          p.max_new_tokens)
     strings, table, use = self._stop_table(requests)
-    stop_use = np.zeros((r, table.shape[0]), bool)
-    for i in range(len(requests)):
-      stop_use[dest[i]] = use[i]
+    stop_use = np.zeros((w, table.shape[0]), bool)
+    stop_use[:len(requests)] = use[:len(requests)]
 
     host = dict(
-        src_rows=src_rows, keep_len=keep_len, new_tokens=new_tokens, new_len=new_len,
+        rows=np.array(work, np.int32), src_rows=src_rows, keep_len=keep_len, new_tokens=new_tokens, new_len=new_len,
         fork_src=fork_src, active=active, temperature=temperature, top_p=top_p, top_k=top_k,
         max_new=max_new, stop_seqs=table, stop_use=stop_use)
     inp = SamplerInputs(**{k: jax.device_put(v) for k, v in host.items()})
@@ -387,17 +403,16 @@ class JaxSampler:
     # Host: apply stop strings on text, record results and what each row now holds.
     results = []
     for i, req in enumerate(requests):
-      d = dest[i]
-      n = int((tokens[d] >= 0).sum())
-      gen = tokens[d, :n]
-      finish, stop = _REASONS[int(reason[d])], None
+      n = int((tokens[i] >= 0).sum())
+      gen = tokens[i, :n]
+      finish, stop = _REASONS[int(reason[i])], None
       if finish == "stop" or (self.tokenizer is not None and req.params.stop):
         cut, stop = self._stop_cut(gen, req.params.stop)
         if stop is not None:
           n, finish = cut, "stop"
       results.append(GenerationResult(
-          tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[d, :n]),
-          entropies=tuple(float(x) for x in entropies[d, :n]), finish_reason=finish, stop=stop,
+          tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[i, :n]),
+          entropies=tuple(float(x) for x in entropies[i, :n]), finish_reason=finish, stop=stop,
           prefill_tokens=prefill[i]))
       self.stats["prefill_tokens"] += prefill[i]
       self.stats["generated_tokens"] += n

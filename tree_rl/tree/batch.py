@@ -47,6 +47,10 @@ class TreeBatch:
       pytree_node=False, default=DEFAULT_REWARD_CHANNELS
   )
   max_path_len: int = flax.struct.field(pytree_node=False, default=0)
+  # Bucketed number of policy tokens in the fullest row (0: not known), the static
+  # width of `tree_logprobs(..., policy_only=True)`: the vocabulary projection of a
+  # training step runs on the policy tokens only, not on prompts and tool replies.
+  max_loss_tokens: int = flax.struct.field(pytree_node=False, default=0)
 
   @property
   def shape(self) -> dict[str, int]:
@@ -109,6 +113,7 @@ def pack(
     vocab_size: int | None = None,
     check: bool = True,
     required_channels: tuple[str, ...] = ("outcome",),
+    absent_as_nan: tuple[str, ...] = (),
 ) -> TreeBatch:
   """Packs host trees into a TreeBatch with bucketed static sizes.
 
@@ -120,6 +125,9 @@ def pack(
     check: run `RolloutTree.check` on every tree first (the error names the
       tree index and the node).
     required_channels: leaf channels `check` insists on.
+    absent_as_nan: leaf channels whose absence means "no value" rather than 0:
+      stored as NaN where a leaf lacks them (AWPO's judge score, whose NaN
+      makes the estimator fall back to the outcome, specs/awpo.md §7 E12).
 
   Returns:
     A TreeBatch whose node order is each tree's depth-first preorder
@@ -180,6 +188,9 @@ def pack(
           node_reward[b, i, chan[name]] = v
       offset += n_tok
     for k, leaf in enumerate(tree.leaves):
+      for name in absent_as_nan:
+        if name in chan and name not in leaf.rewards:
+          leaf_reward[b, k, chan[name]] = np.nan
       leaf_node[b, k] = leaf.node
       leaf_tag[b, k] = int(leaf.tag)
       for name, v in leaf.rewards.items():
@@ -201,7 +212,16 @@ def pack(
       leaf_tag=jnp.asarray(leaf_tag),
       reward_channels=tuple(reward_channels),
       max_path_len=P,
+      max_loss_tokens=_policy_width(int(loss_mask.sum(axis=1).max()), L, bool(buckets.tokens)),
   )
+
+
+def _policy_width(need: int, length: int, bucketed: bool) -> int:
+  """`max_loss_tokens`: powers of two from 256 (few shapes, so few compiles of a
+  training step), at most the row length; exact when the tokens are not bucketed."""
+  if not bucketed:
+    return max(need, 1)
+  return min(max(256, 1 << max(0, need - 1).bit_length()), length)
 
 
 def unpack(batch: TreeBatch) -> list[RolloutTree]:

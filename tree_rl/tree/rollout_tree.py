@@ -139,6 +139,45 @@ class RolloutTree:
                             truncated=truncated, tag=LeafTag(tag)))
     return len(self.leaves) - 1
 
+  @classmethod
+  def merge_prompts(cls, trees: Sequence[RolloutTree]) -> RolloutTree:
+    """One tree holding every trajectory of `trees` below their roots' shared prefix.
+
+    The root keeps the longest common prefix of the root prompts (at most one
+    token shorter than the shortest, so every tree keeps a non-empty rest);
+    each tree's rest of its prompt becomes an ENV node under it (context, never
+    trained) with the tree's nodes and leaves below. Every root-to-leaf token
+    sequence is unchanged, so the merged tree packs to the same contexts while
+    storing the shared prefix once: SFT batches of tasks with one system prompt
+    pay for it once. `meta["merged"]` lists the input trees' meta.
+
+    Raises:
+      TreeError: no trees, or the root prompts share no token.
+    """
+    if not trees:
+      raise TreeError("merge_prompts: no trees to merge")
+    roots = [t.nodes[0].tokens for t in trees]
+    shared = min(len(r) for r in roots) - 1
+    for r in roots[1:]:
+      diff = [i for i, (a, b) in enumerate(zip(roots[0][:shared], r[:shared])) if a != b]
+      shared = diff[0] if diff else shared
+    if shared < 1:
+      raise TreeError("merge_prompts: the root prompts share no leading token")
+    out = cls.new(roots[0][:shared], meta={"merged": [dict(t.meta) for t in trees]})
+    for t in trees:
+      rest = out.add_node(0, NodeKind.ENV, t.nodes[0].tokens[shared:], step=0)
+      index = {0: rest}
+      for i, node in enumerate(t.nodes[1:], start=1):
+        index[i] = len(out.nodes)
+        out.nodes.append(dataclasses.replace(
+            node, parent=index[node.parent], tokens=list(node.tokens),
+            logprobs=None if node.logprobs is None else list(node.logprobs),
+            entropies=None if node.entropies is None else list(node.entropies),
+            rewards=dict(node.rewards)))
+      out.leaves.extend(dataclasses.replace(lf, node=index[lf.node], rewards=dict(lf.rewards))
+                        for lf in t.leaves)
+    return out
+
   # --------------------------------------------------------------------------
   # Editing (used by branching rollouts)
   # --------------------------------------------------------------------------

@@ -5,8 +5,9 @@ false, 0 "unable to answer". Our ground truths are typed (see `oracle.py`),
 so a deterministic check replaces the judge:
 
   - number: any number in the answer (dates and clock times removed first;
-    "1.2 million" understood) within max(rel_tol * |truth|, half a unit of the
-    answer's own last digit) of the truth, i.e. "541" matches 541.3;
+    "1.2 million" understood) within rel_tol * |truth| of the truth, or less than
+    half a unit of the answer's own last digit from it, i.e. "541" matches 541.3
+    but "14" does not match 14.5;
   - string: the normalised truth occurs in the normalised answer; with
     options (the candidates the question names), the first option the answer
     mentions must be the truth, so "A beat B" is not read as "B";
@@ -90,7 +91,10 @@ def _number_ok(truth: Mapping[str, Any], text: str) -> bool:
   for value, half_unit in found:
     if truth.get("abs"):
       value, target = abs(value), abs(target)
-    if abs(value - target) <= max(rel_tol * abs(target), half_unit) + 1e-9:
+    # Rounding to the answer's precision is strict at the tie: 14.5 rounds to 15, so
+    # "14" (half a unit away) does not match it; rel_tol is inclusive.
+    err = abs(value - target)
+    if err <= rel_tol * abs(target) + 1e-9 or err < half_unit - 1e-9:
       return True
   return False
 

@@ -13,11 +13,11 @@ from tree_rl.rollout.strategies.flat import FlatStrategy
 from tree_rl.rollout.strategies.portool import PORToolStrategy
 from tree_rl.rollout.strategies.appo import APPOStrategy, NodeArrays, behaviour_scorer, model_scorer
 from tree_rl.rollout.strategies.arpo import ARPOStrategy
-from tree_rl.rollout.strategies.trace import (RunningMeanPredictor, SuccessPredictor,
-                                              TRACEStrategy)
+from tree_rl.rollout.strategies.trace import (PREDICTORS, RunningMeanPredictor, SuccessPredictor,
+                                              TRACEStrategy, make_predictor)
 from tree_rl.rollout.strategies.treepo import RandomStrategy
 
 __all__ = ["APPOStrategy", "ARPOStrategy", "BranchingStrategy", "FlatStrategy", "NodeArrays",
-           "PORToolStrategy", "RandomStrategy", "RunningMeanPredictor", "STRATEGIES",
-           "SuccessPredictor", "TRACEStrategy", "behaviour_scorer", "make_strategy",
-           "model_scorer", "register"]
+           "PORToolStrategy", "PREDICTORS", "RandomStrategy", "RunningMeanPredictor", "STRATEGIES",
+           "SuccessPredictor", "TRACEStrategy", "behaviour_scorer", "make_predictor",
+           "make_strategy", "model_scorer", "register"]

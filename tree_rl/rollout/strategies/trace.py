@@ -21,12 +21,19 @@ never expanded again (one expansion round, App. E.5). A prompt with no anchor
 ceil(continuation_cost * m_i * N) extra root rollouts instead (§1.7: a
 continuation costs half a rollout; the paper leaves the conversion open).
 
-The predictor is an interface, `SuccessPredictor.predict(task_ids, prefixes)`,
-so the trainer can plug in a learned value head over the serialized prefix
-tokens. `RunningMeanPredictor` is the simple one shipped here: a per-task
-running mean of past success rates (prefix-blind). After the rollout the
-strategy calls `predictor.update(trees)` (TRACE trains the predictor after each
-step and uses it on the next).
+The predictor is an interface, `SuccessPredictor`: `predict(task_ids, prefixes)`
+scores prompts and turn prefixes, `update(trees)` learns from a step's finished
+trees and returns metrics to log, and `state_dict()` / `load_state_dict()` carry
+its learned state through checkpoints ({"meta": JSON, "arrays": a pytree of
+arrays}). Two are registered by name (`make_predictor`, `PREDICTORS`):
+  value_head    the paper's: a small value model over the serialized prefix
+                tokens, trained online by MSE on backed-up success rates (eqs.
+                17-19; `tree_rl.algos.trace_value.ValueHeadPredictor`).
+  running_mean  a per-task running mean of past success rates (prefix-blind;
+                an ablation, and the default of a bare `TRACEStrategy()`).
+After the rollout the strategy calls `predictor.update(trees)` (TRACE trains the
+predictor after each step and uses it on the next) and keeps the returned
+metrics in `last_metrics`.
 """
 
 from __future__ import annotations
@@ -34,12 +41,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from tree_rl.algos.trace import allocate_prefixes, allocate_roots, flip_probability
+from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor
 from tree_rl.rollout.branching import Branch, Forest
 from tree_rl.rollout.strategies.base import register
 from tree_rl.tree.rollout_tree import RolloutTree
@@ -63,8 +71,16 @@ class SuccessPredictor(Protocol):
     """[A] probabilities for A (task id, context tokens) pairs; a root's prefix is its prompt."""
     ...
 
-  def update(self, trees: Sequence[RolloutTree]) -> None:
-    """Learns from finished trees (each with meta["task_id"])."""
+  def update(self, trees: Sequence[RolloutTree]) -> Mapping[str, float]:
+    """Learns from finished trees (each with meta["task_id"]); returns metrics to log."""
+    ...
+
+  def state_dict(self) -> dict[str, Any]:
+    """The learned state: {"meta": JSON-able values, "arrays": a pytree of arrays}."""
+    ...
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Takes back `state_dict()`'s output (the arrays restored into its structure)."""
     ...
 
 
@@ -97,13 +113,56 @@ class RunningMeanPredictor:
     return np.array([(self.total.get(i, 0.0) + self.prior * w) / (self.count.get(i, 0.0) + w)
                      for i in task_ids], np.float64)
 
-  def update(self, trees: Sequence[RolloutTree]) -> None:
+  def update(self, trees: Sequence[RolloutTree]) -> dict[str, float]:
     for tree in trees:
       task_id = tree.meta["task_id"]
       for leaf in tree.leaves:
         if leaf.tag == LeafTag.INIT:
           self.total[task_id] += success(leaf.rewards["outcome"])
           self.count[task_id] += 1.0
+    return {}
+
+  def state_dict(self) -> dict[str, Any]:
+    """The per-task sums and counts (JSON: task ids are strings); no arrays."""
+    return {"meta": {"total": dict(self.total), "count": dict(self.count)}, "arrays": {}}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    self.total = collections.defaultdict(float, state["meta"]["total"])
+    self.count = collections.defaultdict(float, state["meta"]["count"])
+
+
+PREDICTORS = ("running_mean", "value_head")
+
+
+def check_predictor(name: str, kwargs: Mapping[str, Any] | None = None) -> None:
+  """Fails unless `name` is a registered predictor and `kwargs` are its knobs.
+
+  Cheap (builds no model), so config validation calls it at startup.
+  """
+  if name not in PREDICTORS:
+    raise ValueError(f"unknown TRACE success predictor {name!r}; valid: {sorted(PREDICTORS)}")
+  knobs = (("prior", "prior_weight") if name == "running_mean"
+           else tuple(f.name for f in dataclasses.fields(ValueHeadConfig)))
+  unknown = sorted(set(kwargs or {}) - set(knobs))
+  if unknown:
+    raise ValueError(f"TRACE predictor {name!r}: unknown key(s) {unknown}; valid keys: "
+                     f"{sorted(knobs)}")
+
+
+def make_predictor(name: str, *, vocab_size: int, seed: int = 0, **kwargs: Any
+                   ) -> SuccessPredictor:
+  """The success predictor registered as `name`, built with its knobs `kwargs`.
+
+  Args:
+    name: one of PREDICTORS (an unknown name fails listing them).
+    vocab_size: the policy's vocabulary (the value head embeds prefix tokens).
+    seed: the value head's initial weights and shuffles.
+    **kwargs: RunningMeanPredictor's arguments, or ValueHeadConfig's fields.
+  """
+  check_predictor(name, kwargs)
+  if name == "running_mean":
+    return RunningMeanPredictor(**kwargs)
+  return ValueHeadPredictor(vocab_size, seed=seed, config=ValueHeadConfig(**kwargs))
 
 
 @register("trace")
@@ -116,8 +175,10 @@ class TRACEStrategy:
     max_roots_per_task: optional cap on m_i (none in the paper).
     continuation_cost: rollouts one continuation costs, for the no-anchor
       fallback (0.5, App. E.5).
-    predictor: the success predictor; None builds a RunningMeanPredictor.
+    predictor: the success predictor; None builds a RunningMeanPredictor
+      (`make_predictor` builds one by name).
     update_predictor: call predictor.update(trees) after the rollout.
+    last_metrics: what the last predictor update reported (the trainer logs it).
   """
 
   roots_per_task: float = 2.0
@@ -126,12 +187,27 @@ class TRACEStrategy:
   continuation_cost: float = 0.5
   predictor: SuccessPredictor | None = None
   update_predictor: bool = True
+  last_metrics: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
 
   def __post_init__(self):
     if self.roots_per_task <= 0 or self.continuations_per_root < 0:
       raise ValueError("TRACEStrategy: roots_per_task must be > 0 and continuations_per_root >= 0")
     if self.predictor is None:
       self.predictor = RunningMeanPredictor()
+
+  def state_dict(self) -> dict[str, Any]:
+    """The predictor's learned state, tagged with its class (for checkpoints)."""
+    state = self.predictor.state_dict()
+    return {"meta": {"predictor": type(self.predictor).__name__, **state["meta"]},
+            "arrays": state["arrays"]}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    meta = dict(state["meta"])
+    saved, ours = meta.pop("predictor"), type(self.predictor).__name__
+    if saved != ours:
+      raise ValueError(f"the checkpoint holds a {saved}'s state; this run's TRACE predictor is "
+                       f"a {ours} (rollout.strategy_kwargs.predictor)")
+    self.predictor.load_state_dict({"meta": meta, "arrays": state["arrays"]})
 
   def leaves_per_task(self) -> int | None:
     """Average leaves per prompt, M (1 + N) / #prompts, when it is an integer."""
@@ -154,7 +230,8 @@ class TRACEStrategy:
         cont.extend(self._expand(forest, t, int(mi) * self.continuations_per_root))
     forest.run(cont)
     if self.update_predictor:
-      self.predictor.update([tree for tree in trees if tree.leaves])
+      m = self.predictor.update([tree for tree in trees if tree.leaves])
+      self.last_metrics = {f"trace/{k}": float(v) for k, v in (m or {}).items()}
 
   def _expand(self, forest: Forest, t: int, budget: int) -> list[Branch]:
     tree = forest.trees[t]
