@@ -95,18 +95,6 @@ class FakeServer:
     self.thread.join(timeout=2)
 
 
-@pytest.fixture
-def server_factory():
-  servers = []
-
-  def make(script, default=("status", 500)):
-    servers.append(FakeServer(script, default))
-    return servers[-1]
-  yield make
-  for s in servers:
-    s.close()
-
-
 def label(value):
   return ("ok", f'Reasoning... {{"reference_answer": "5", "label": "{value}"}}')
 

@@ -5,22 +5,10 @@ import math
 
 import pytest
 
-from tests.rewards.judge_test import GOOD, TASK, AddFamily, FakeServer
+from tests.rewards.judge_test import GOOD, TASK, AddFamily
 from tree_rl.envs.base import Task
 from tree_rl.rewards.judge import JudgeConfig
 from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
-
-
-@pytest.fixture
-def server():
-  servers = []
-
-  def make(script, default=("status", 500)):
-    servers.append(FakeServer(script, default))
-    return servers[-1]
-  yield make
-  for s in servers:
-    s.close()
 
 
 def _config(url):
@@ -52,10 +40,10 @@ def test_rubric_checks_every_task_up_front_and_scores():
   assert m == {"reward/reasoning_mean": 0.5, "reward/reasoning_missing_frac": 0.5}
 
 
-def test_llm_judge_scores_and_a_failed_judgement_is_missing(server):
+def test_llm_judge_scores_and_a_failed_judgement_is_missing(server_factory):
   tiers = ('{"reasoning_path": "Tier II", "tool_selection": "Tier I", '
            '"parameter_setting": "Tier I", "execution_strategy": "Tier IV"}')
-  fake = server([("ok", tiers)])  # then HTTP 500 forever
+  fake = server_factory([("ok", tiers)])  # then HTTP 500 forever
   scorer = make_reasoning_scorer("llm", AddFamily(), [TASK], _config(fake.url))
   # 0.35 * 0.8 + 0.30 + 0.25 + 0.10 * 0.4 = 0.87
   assert scorer(TASK, GOOD, False)[REASONING_CHANNEL] == pytest.approx(0.87)
