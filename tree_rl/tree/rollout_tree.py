@@ -159,8 +159,8 @@ class RolloutTree:
     roots = [t.nodes[0].tokens for t in trees]
     shared = min(len(r) for r in roots) - 1
     for r in roots[1:]:
-      diff = [i for i, (a, b) in enumerate(zip(roots[0][:shared], r[:shared])) if a != b]
-      shared = diff[0] if diff else shared
+      shared = next((i for i, (a, b) in enumerate(zip(roots[0][:shared], r[:shared]))
+                     if a != b), shared)
     if shared < 1:
       raise TreeError("merge_prompts: the root prompts share no leading token")
     out = cls.new(roots[0][:shared], meta={"merged": [dict(t.meta) for t in trees]})
