@@ -14,6 +14,12 @@ eval 1 min 28 s.
 Expected metric: held-out accuracy (16 tasks) printed at the end. Measured: base 0.0 ->
 SFT 0.0625 -> RL 0.0625. At this budget RL does not beat SFT: 2 of the 3 steps drew no
 correct leaf, so their groups had no reward variance and no gradient.
+Where RL beats SFT (measured, 2 cores): a 30-step SFT (120 oracle trajectories, ~19 min)
+and 32 held-out tasks --
+  python launch/train.py --config=configs/apppo.py --config.sft.steps=30 \\
+    --config.num_steps=10 --config.eval_every_steps=5 --config.task.num_eval_tasks=32
+gave base 0.0 -> SFT 0.219 -> RL 0.281 after 5 steps (2-3 min a step) -> 0.250 after 10.
+With lr 5e-4 instead of 1e-4 the same run fell to 0.125 (step 5) and 0.031 (step 10).
 """
 
 from configs import common
