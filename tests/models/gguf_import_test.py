@@ -83,10 +83,14 @@ def gguf_name(hf: str) -> str:
 
 
 def write_gguf(path: pathlib.Path, arch: str, weights: dict[str, np.ndarray], qtype=Q.F32,
-               overrides: dict[str, tuple[np.ndarray, Q]] | None = None) -> pathlib.Path:
+               overrides: dict[str, tuple[np.ndarray, Q]] | None = None, rope_dims=HEAD_DIM,
+               extra_metadata=None) -> pathlib.Path:
   """A GGUF file as llama.cpp's converter writes it (permuted q/k for llama;
-  2-D weights in `qtype`, norms and biases in F32)."""
+  2-D weights in `qtype`, norms and biases in F32). `extra_metadata(writer)`
+  may add keys."""
   writer = gguf.GGUFWriter(path, arch)
+  if extra_metadata is not None:
+    extra_metadata(writer)
   writer.add_block_count(LAYERS)
   writer.add_context_length(512)
   writer.add_embedding_length(HIDDEN)
@@ -95,7 +99,7 @@ def write_gguf(path: pathlib.Path, arch: str, weights: dict[str, np.ndarray], qt
   writer.add_head_count_kv(KV_HEADS)
   writer.add_rope_freq_base(100000.0)
   writer.add_layer_norm_rms_eps(1e-5)
-  writer.add_rope_dimension_count(HEAD_DIM)
+  writer.add_rope_dimension_count(rope_dims)
   writer.add_vocab_size(len(TOKENS))
   if arch == "qwen3":
     writer.add_key_length(HEAD_DIM)
@@ -255,6 +259,41 @@ def test_q8_k_dequantization(tmp_path):
   writer.close()
   got = gguf_import.dequantize(gguf.GGUFReader(tmp_path / "k.gguf").tensors[0])
   np.testing.assert_array_equal(got, (quants * scale[:, None]).reshape(2, 512))
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(rope_dims=HEAD_DIM // 2),
+     r"llama\.rope\.dimension_count=8: must equal the head width 16"),
+    (dict(extra_metadata=lambda w: w.add_sliding_window(4)),
+     r"llama\.attention\.sliding_window=4: not supported"),
+    (dict(extra_metadata=lambda w: w.add_expert_count(8)), r"llama\.expert_count=8"),
+    (dict(extra_metadata=lambda w: w.add_value_length(8)), r"llama\.attention\.value_length=8"),
+    (dict(extra_metadata=lambda w: w.add_rope_scaling_attn_factors(0.5)),
+     r"llama\.rope\.scaling\.attn_factor=0\.5: only 1\.0"),
+    (dict(extra_metadata=lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN)),
+     r"rope scaling 'yarn' is not supported"),
+    (dict(extra_metadata=lambda w: w.add_type("adapter")), r"general\.type='adapter'"),
+])
+def test_metadata_that_changes_the_model_is_rejected(tmp_path, kw, message):
+  path = write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama", True), **kw)
+  with pytest.raises(ValueError, match=message):
+    gguf_import.convert_gguf(path, tmp_path / "hf")
+  assert not (tmp_path / "hf").exists()
+
+
+def test_inert_metadata_is_accepted(tmp_path):
+  def extra(w):
+    w.add_value_length(HEAD_DIM)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(2.0)
+    w.add_rope_scaling_orig_ctx_len(256)
+    w.add_rope_scaling_finetuned(True)
+    w.add_causal_attention(True)
+
+  path = write_gguf(tmp_path / "m.gguf", "qwen3", hf_weights("qwen3", True), extra_metadata=extra)
+  _, config = load(gguf_import.convert_gguf(path, tmp_path / "hf"))
+  assert config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+  assert config["hidden_act"] == "silu"
 
 
 def test_unsupported_architecture(tmp_path):

@@ -7,8 +7,9 @@ carries `logical_axes` metadata that `tree_rl.sharding` maps onto the mesh.
 
 Conventions match Hugging Face so weights convert by a name table
 (`tree_rl.models.hf_io`): kernels are stored `[in, out]` (HF's transposed),
-RoPE rotates halves (`rotate_half`), RMSNorm normalises in float32, and
-Qwen3's q/k norms act per head before RoPE.
+RoPE rotates halves (`rotate_half`), RMSNorm normalises in float32,
+Qwen3's q/k norms act per head before RoPE, and the MLP is
+down(act(gate(h)) * up(h)) with transformers' `hidden_act` functions.
 """
 
 from __future__ import annotations
@@ -74,11 +75,48 @@ def _layer_specs(c: ModelConfig):
   if c.attention_bias:
     specs += [("q_bias", (q,), ("q_heads",)), ("k_bias", (kv,), ("kv_heads",)),
               ("v_bias", (kv,), ("kv_heads",))]
-    if c.family == "llama":  # Llama's attention_bias also covers o_proj; Qwen2's does not.
+    if c.has_o_bias:  # Llama's and Qwen3's attention_bias also covers o_proj; Qwen2's does not.
       specs.append(("o_bias", (d,), ("embed",)))
   if c.qk_norm:
     specs += [("q_norm", (hd,), ("norm",)), ("k_norm", (hd,), ("norm",))]
   return specs
+
+
+def _gelu_tanh(x):  # 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+  return jax.nn.gelu(x, approximate=True)
+
+
+def _gelu_erf(x):  # x Phi(x)
+  return jax.nn.gelu(x, approximate=False)
+
+
+# hidden_act -> the function transformers' ACT2FN gives that name (config.HIDDEN_ACTS).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": _gelu_erf,
+    "gelu_python": _gelu_erf,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_python_tanh": _gelu_tanh,
+    "gelu_accurate": _gelu_tanh,
+    # FastGELU writes sqrt(2 / pi) as 0.7978845608: the same function to float32 precision.
+    "gelu_fast": _gelu_tanh,
+    "gelu_10": lambda x: jnp.clip(_gelu_erf(x), -10.0, 10.0),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+    "relu6": jax.nn.relu6,
+    "leaky_relu": lambda x: jax.nn.leaky_relu(x, 0.01),  # torch's default slope
+    "sigmoid": jax.nn.sigmoid,
+    "tanh": jnp.tanh,
+    "linear": lambda x: x,
+    "mish": lambda x: x * jnp.tanh(jax.nn.softplus(x)),
+    "hardswish": jax.nn.hard_swish,
+    # LaplaceActivation(mu=0.707107, sigma=0.282095): the normal CDF at (x - mu) / sigma.
+    "laplace": lambda x: 0.5 * (1.0 + lax.erf((x - 0.707107) / (0.282095 * np.sqrt(2.0)))),
+    "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x)),
+}
 
 
 def rms_norm(x: Array, w: Array, eps: float) -> Array:
@@ -180,7 +218,8 @@ class Decoder(nnx.Module):
     b, l = x.shape[:2]
     x = x + self._proj("o_proj", a.reshape(b, l, -1), w)
     h = rms_norm(x, w["post_norm"], c.rms_norm_eps)
-    mlp = jax.nn.silu(self._proj("gate_proj", h, w)) * self._proj("up_proj", h, w)
+    act = ACTIVATIONS[c.hidden_act]
+    mlp = act(self._proj("gate_proj", h, w)) * self._proj("up_proj", h, w)
     return x + self._proj("down_proj", mlp, w)
 
   def _block(self, x, w, positions, tree: TreeMask):

@@ -144,6 +144,51 @@ def _read_weights(reader: gguf.GGUFReader, arch: str, n_head: int, n_kv: int,
   return weights
 
 
+# `{arch}.*` metadata keys: those `_config` reads, those that must equal another
+# value (the rotary and value widths are the head width: no partial RoPE, no
+# MLA-style split), those with no effect on the logits, and those accepted at a
+# neutral value. Any other key (sliding window, MoE, soft-capping, ...) is rejected:
+# llama.cpp would compute something this importer does not write into config.json.
+_GGUF_READ = ("context_length", "embedding_length", "block_count", "feed_forward_length",
+              "attention.head_count", "attention.head_count_kv", "attention.key_length",
+              "attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.type",
+              "rope.scaling.factor")
+_GGUF_HEAD_DIM = ("attention.value_length", "rope.dimension_count")
+# vocab_size: the embedding's rows are authoritative; original_context_length and
+# finetuned: not read by linear rope scaling.
+_GGUF_INERT = ("vocab_size", "rope.scaling.original_context_length", "rope.scaling.finetuned")
+_GGUF_NEUTRAL = {"rope.scaling.attn_factor": 1.0, "attention.causal": True}
+
+
+def _audit_metadata(reader: gguf.GGUFReader, arch: str) -> None:
+  """Rejects GGUF metadata that changes the computation in a way config.json cannot say."""
+  for k in ("embedding_length", "attention.head_count", "attention.head_count_kv", "block_count",
+            "feed_forward_length"):
+    value = _field(reader, f"{arch}.{k}", 0)
+    if isinstance(value, bool) or not isinstance(value, int):  # llama.cpp allows per-layer lists
+      raise ValueError(f"GGUF metadata {arch}.{k}={value!r}: expected one integer")
+  head_dim = _field(reader, f"{arch}.attention.key_length",
+                    _field(reader, f"{arch}.embedding_length")
+                    // _field(reader, f"{arch}.attention.head_count"))
+  kind = _field(reader, "general.type", "model")
+  if kind != "model":
+    raise ValueError(f"general.type={kind!r}: only 'model' files convert (not adapters)")
+  for name in reader.fields:
+    if not name.startswith(f"{arch}."):
+      continue
+    key, value = name[len(arch) + 1:], _field(reader, name)
+    if key in _GGUF_READ or key in _GGUF_INERT:
+      continue
+    if key in _GGUF_HEAD_DIM and value == head_dim:
+      continue
+    if key in _GGUF_NEUTRAL and value == _GGUF_NEUTRAL[key]:
+      continue
+    why = (f"must equal the head width {head_dim}" if key in _GGUF_HEAD_DIM else
+           f"only {_GGUF_NEUTRAL[key]!r} is supported" if key in _GGUF_NEUTRAL else
+           f"not supported for {arch}")
+    raise ValueError(f"GGUF metadata {name}={value!r}: {why}")
+
+
 def _config(reader: gguf.GGUFReader, arch: str, weights: dict[str, np.ndarray],
             special: dict[str, int | None]) -> dict[str, Any]:
   key = lambda k, d=_MISSING: _field(reader, f"{arch}.{k}", d)  # noqa: E731
@@ -156,6 +201,7 @@ def _config(reader: gguf.GGUFReader, arch: str, weights: dict[str, np.ndarray],
       "num_hidden_layers": n_layers, "num_attention_heads": n_head,
       "num_key_value_heads": key("attention.head_count_kv", n_head),
       "head_dim": key("attention.key_length", hidden // n_head),
+      # llama.cpp hard-codes SiLU for these three architectures (no metadata key).
       "hidden_act": "silu", "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
       "rope_theta": key("rope.freq_base", 10000.0), "rope_scaling": None,
       "max_position_embeddings": key("context_length"),
@@ -299,6 +345,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"GGUF architecture {arch!r} is not supported; supported:"
                      f" {sorted(SUPPORTED_ARCHITECTURES)}")
+  _audit_metadata(reader, arch)
   n_head = _field(reader, f"{arch}.attention.head_count")
   n_kv = _field(reader, f"{arch}.attention.head_count_kv", n_head)
   weights = _read_weights(reader, arch, n_head, n_kv, _field(reader, f"{arch}.block_count"))
