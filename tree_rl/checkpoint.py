@@ -3,9 +3,10 @@
 Resume order (the trainer applies the first that exists):
   1. a checkpoint in `<workdir>/checkpoints`: the run continues where it stopped;
   2. `config.resume`: another run's checkpoint directory (its latest step);
-  3. `config.model.init_from_hf`: an HF folder's weights with a fresh optimizer;
-  4. the configured model from scratch (the default SmolLM2 package, or a tiny
-     random model for `runlocal`).
+  3. the configured model with a fresh optimizer: the default SmolLM2 package
+     (`config.model.name="smollm2"`), an HF folder's weights
+     (`config.model.name="hf"` with `config.model.hf_folder`), or a tiny random
+     model for `runlocal` (`"tiny"`).
 
 The train state is saved as its flat list of array leaves (keys `00000`,
 `00001`, ...) and restored into the leaves of a freshly built state of the same

@@ -30,7 +30,8 @@ from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.strategies import (APPOStrategy, ARPOStrategy, PORToolStrategy,
                                         RandomStrategy, RunningMeanPredictor, TRACEStrategy,
                                         behaviour_scorer, make_strategy, model_scorer)
-from tree_rl.tree.batch import Buckets
+from tree_rl.tree.batch import Buckets, pack
+from tree_rl.tree.rollout_tree import RolloutTree
 from tree_rl.tree.types import LeafTag, NodeKind
 
 HEADER = "<|im_start|>assistant\n"
@@ -480,3 +481,34 @@ def test_jax_sampler_forks_prefill_once_and_split_logprobs_align(chat, tokenizer
       if node.kind == NodeKind.POLICY:
         np.testing.assert_allclose(arrays.logprobs[i], node.logprobs, atol=1e-4)
         np.testing.assert_allclose(arrays.entropies[i], node.entropies, atol=1e-3)
+
+
+def test_appo_scorer_fits_the_blockwise_bound_to_each_batch():
+  # Many branches off a long shared prompt: every branch's block sees all the prompt's
+  # blocks, so the batch needs a key-block bound far above the one the model carries.
+  # The scorer fits the exact bound per packed batch, so it equals dense attention.
+  from tree_rl.models.attention import AttentionConfig, max_visible_blocks
+
+  rng = np.random.default_rng(0)
+  toks = lambda n: [int(x) for x in rng.integers(3, 250, n)]
+  trees = []
+  for branches in (20, 12):
+    tree = RolloutTree.new(toks(160))  # 10 blocks of 16
+    for _ in range(branches):
+      node = tree.add_node(0, NodeKind.POLICY, toks(12), logprobs=[-1.0] * 12)
+      tree.add_leaf(node, {"outcome": 1.0})
+    trees.append(tree)
+  config = ModelConfig.tiny(vocab_size=256)
+  blockwise = Decoder(config, rngs=nnx.Rngs(0),
+                      attention_config=AttentionConfig("blockwise", 16, 2))
+  dense = Decoder(config, rngs=nnx.Rngs(0))
+  batch = pack(trees, Buckets())
+  need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 16)
+  assert need > 2 * blockwise.attention_config.max_kv_blocks
+  got, want = model_scorer(blockwise)(trees), model_scorer(dense)(trees)
+  for tree, g, w in zip(trees, got, want):
+    for i, node in enumerate(tree.nodes):
+      assert len(g.logprobs[i]) == len(node.tokens)
+      np.testing.assert_allclose(g.logprobs[i], w.logprobs[i], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(g.entropies[i], w.entropies[i], rtol=1e-5, atol=1e-5)
+  assert blockwise.attention_config.max_kv_blocks == 2  # the model itself is not refitted

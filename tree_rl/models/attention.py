@@ -1,6 +1,6 @@
 """Tree attention: token i sees token j iff node(j) is an ancestor-or-self of
-node(i) and j <= i (DESIGN.md §3), so one forward pass over a packed tree
-gives every root-to-leaf sequence its own causal context.
+node(i) and j <= i (the packed layout of `tree_rl.tree.batch`), so one forward
+pass over a packed tree gives every root-to-leaf sequence its own causal context.
 
 Two implementations with identical results:
 
@@ -12,6 +12,14 @@ Two implementations with identical results:
   slots, a static bound computed on the host by `max_visible_blocks`), with an
   online softmax (flash-attention style) and a rematerialised step, so compute
   and memory follow the visible pairs (about L x path length) instead of L^2.
+
+The static bound must hold every visible pair of the batch, or pairs would be
+dropped. So every caller fits it to each batch on the host (`fit_attention`;
+`AttentionFitter` keeps one model graph, hence one compile, per bound), and a
+bound that is still too small is never silently wrong: `check_attention_bound`
+(run once per forward by `tree_rl.models.logprobs`) raises naming the batch
+shape and the needed and given bounds, and `blockwise_attention` itself returns
+NaN for such a batch.
 
 A plain causal batch is the special case of one node per row
 (`TreeMask.causal`).
@@ -26,6 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 
 from tree_rl.tree.types import Array, Bool, Float, Int
@@ -59,7 +68,8 @@ class AttentionConfig:
   impl: str = "dense"
   block: int = 128
   # blockwise only: static bound on a row's visible (query block, key block) pairs per
-  # query block, i.e. nb * max_kv_blocks pair slots per row (see max_visible_blocks).
+  # query block, i.e. nb * max_kv_blocks pair slots per row (see max_visible_blocks);
+  # callers refit it to each batch (fit_attention, AttentionFitter).
   max_kv_blocks: int = 0
 
   def __post_init__(self):
@@ -158,6 +168,99 @@ def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int
   return best
 
 
+# Static bounds blockwise attention is fitted to: the smallest one that holds a batch's
+# visible pairs is used, so a run compiles once per (token bucket, bound) while a step
+# computes little more than the visible pairs.
+KV_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np.ndarray
+                  ) -> AttentionConfig:
+  """`config` with the tightest `KV_LADDER` bound that holds a packed batch (host, exact).
+
+  node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch. The bound is at least
+  `max_visible_blocks` (so no pair is dropped) and at most nb = L / block (every
+  block: `blockwise_attention` caps it there anyway). Dense configs are returned as is.
+  """
+  if config.impl != "blockwise":
+    return config
+  l = node_of_token.shape[1]
+  if l % config.block:
+    raise ValueError(f"packed length L={l} must be a multiple of the attention block "
+                     f"{config.block}")
+  need = max_visible_blocks(node_of_token, parent, config.block)
+  bound = next((m for m in KV_LADDER if m >= need), need)
+  return dataclasses.replace(config, max_kv_blocks=min(bound, l // config.block))
+
+
+class AttentionFitter:
+  """The graph of a model with blockwise attention fitted to each batch's exact bound.
+
+  The bound is static (it sets the attention scan's length), so it lives in the
+  model's graph (`model.attention_config`): `graphdef(batch)` gives the graphdef
+  for `fit_attention`'s bound, one cached graphdef per distinct bound, so a jit
+  that takes it as static compiles once per bound. The graphdef fits the model's
+  state whatever filters split it (`nnx.merge(fitter.graphdef(batch), *states)`).
+  Only shapes are kept, not the weights.
+  """
+
+  def __init__(self, model: nnx.Module):
+    self.base: AttentionConfig = model.attention_config
+    graphdef, state = nnx.split(model)
+    self._graphdef = graphdef
+    self._abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    self.graphs = {self.base: graphdef}
+
+  def config(self, batch) -> AttentionConfig:
+    """The fitted attention config of a host-side TreeBatch."""
+    return fit_attention(self.base, np.asarray(batch.node_of_token), np.asarray(batch.parent))
+
+  def graphdef(self, batch):
+    """The model's graphdef with `config(batch)` (cached per bound)."""
+    attn = self.config(batch)
+    if attn not in self.graphs:
+      model = nnx.merge(self._graphdef, self._abstract)
+      model.attention_config = attn
+      self.graphs[attn] = nnx.graphdef(model)
+    return self.graphs[attn]
+
+
+def check_attention_bound(tree: TreeMask, config: AttentionConfig) -> None:
+  """Backstop inside jit: raise if a blockwise bound is too small for this batch.
+
+  With max_kv_blocks >= nb the bound holds every pair, and nothing is traced. Else,
+  once per call (callers put it outside the layer scan, not once per layer), a
+  `lax.cond` on "some row has more visible pairs than its nb * max_kv_blocks slots"
+  runs a host callback only then, which raises a ValueError naming the batch shape,
+  the row, and the needed and given bounds; under jit it reaches the caller as a
+  `jax.errors.JaxRuntimeError` carrying that message. (The callback checks again
+  itself, so a `vmap` that turns the cond into a select stays exact.)
+  """
+  if config.impl != "blockwise":
+    return
+  (b, length), block = tree.node_of_token.shape, config.block
+  nb = length // block
+  given = min(config.max_kv_blocks, nb)
+  if given >= nb:
+    return
+  pairs = _visible_blocks(tree, block).sum((1, 2))  # [B] visible pairs per row
+
+  def check(pairs):
+    pairs = np.asarray(pairs)
+    row = int(pairs.argmax())
+    need = -(-int(pairs[row]) // nb)
+    if need > given:
+      raise ValueError(
+          f"blockwise attention: packed batch [B={b}, L={length}] row {row} has "
+          f"{int(pairs[row])} visible (query block, key block) pairs with block {block}, "
+          f"which needs max_kv_blocks >= {need}, but the model's bound is {given}; fit "
+          f"the bound to each batch (tree_rl.models.attention.fit_attention / "
+          f"AttentionFitter)")
+
+  lax.cond(pairs.max() > nb * given, lambda p: jax.debug.callback(check, p), lambda p: None,
+           pairs)
+
+
 def blockwise_attention(
     q: Float[Array, "B L H Dh"], k: Float[Array, "B L Hk Dh"], v: Float[Array, "B L Hk Dh"],
     tree: TreeMask, block: int, max_kv_blocks: int,
@@ -169,7 +272,9 @@ def blockwise_attention(
   their query blocks' running max, denominator and output by scatter (a query block
   may own several pairs of a step). Cost O(visible pairs * block^2), bounded by
   O(L * max_kv_blocks * block); each scan step is rematerialised in the backward
-  pass, so memory is O(L) per layer.
+  pass, so memory is O(L) per layer. A batch with more visible pairs than slots
+  gets NaN everywhere (never a silently partial softmax); `check_attention_bound`
+  is the loud form of the same test.
   """
   b, l, h, d = q.shape
   hk = k.shape[2]
@@ -179,7 +284,7 @@ def blockwise_attention(
   g = h // hk
   # A bound above the number of blocks is just "all of them" (short buckets).
   m = min(max_kv_blocks, nb)
-  q_blk, k_blk, _ = kv_block_pairs(tree, block, m)  # [B, nb * m]
+  q_blk, k_blk, overflow = kv_block_pairs(tree, block, m)  # [B, nb * m]
   rows = tree.query_rows().reshape(b, nb, block, -1)  # [B, nb, bq, N]
   qg = _grouped(q, hk).reshape(b, nb, block, hk, g, d)
   kb = k.reshape(b, nb, block, hk, d)
@@ -220,6 +325,7 @@ def blockwise_attention(
   (acc, _, den), _ = lax.scan(step, init, pairs)
   out = acc / jnp.maximum(den, 1e-30)[..., None]  # rows with no visible key -> 0
   out = jnp.moveaxis(out, 4, 2)  # [B, nb, bq, hk, g, d]
+  out = jnp.where(overflow, jnp.nan, out)  # pairs were dropped: poison, never partial
   return out.reshape(b, l, h, d).astype(q.dtype)
 
 

@@ -5,7 +5,8 @@ sequence (`derived.prev_token_index`): inside a node that is t - 1, at a
 node's first token it is the parent's last token. The vocabulary projection
 runs in chunks of packed tokens under `jax.checkpoint`, so the `[B, L, V]`
 logits are never materialised (V = 49k-152k makes them the largest tensor of
-the step).
+the step). With blockwise attention, each call first checks the model's static
+key-block bound against the batch (`check_attention_bound`: raises if too small).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tree_rl.models.attention import TreeMask
+from tree_rl.models.attention import TreeMask, check_attention_bound
 from tree_rl.models.decoder import Decoder
 from tree_rl.tree import derived
 from tree_rl.tree.batch import TreeBatch
@@ -64,6 +65,7 @@ def tree_logprobs(
   """
   st = derived.structure(batch) if st is None else st
   tree = TreeMask(batch.node_of_token, st.ancestor)
+  check_attention_bound(tree, model.attention_config)
   h = model.hidden(batch.tokens, batch.positions, tree)
   prev = derived.prev_token_index(batch)
   ok = prev >= 0
@@ -89,7 +91,9 @@ def sequence_logprobs(
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
   """Plain causal sequences: log p(tokens[t] | tokens[:t]) for t >= 1 (0 at t = 0)."""
   positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
-  h = model.hidden(tokens, positions, TreeMask.causal(valid))
+  tree = TreeMask.causal(valid)
+  check_attention_bound(tree, model.attention_config)
+  h = model.hidden(tokens, positions, tree)
   h_prev = jnp.pad(h[:, :-1], ((0, 0), (1, 0), (0, 0)))
   lp, ent = chunked_logprobs(h_prev, model.head(), tokens, chunk)
   ok = valid & (jnp.arange(tokens.shape[1])[None, :] > 0)
