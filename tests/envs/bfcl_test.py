@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tree_rl.envs import bfcl_data
-from tree_rl.envs.bfcl import BFCLFamily, ast_match, normalize_string, reference_calls
+from tree_rl.envs import bfcl, bfcl_data
+from tree_rl.envs.bfcl import BFCLFamily, normalize_string, reference_calls
 from tree_rl.envs.bfcl_data import CATEGORIES, BfclItem, load_eval_items
 from tree_rl.envs.executor import ToolExecutor
 from tree_rl.envs.parsing import format_tool_call
@@ -112,6 +112,9 @@ def test_train_is_synthetic_valid_and_disjoint_from_eval():
 
 
 # ----------------------------------------------------------------------------- AST checker
+# Hand-worked verdicts of BFCL's AST rule; each runs through our restatement and, when
+# bfcl-eval is installed, through BFCL's own checker (tests/envs/bfcl_official_test.py
+# compares the two on every shipped item).
 
 FUNCS = [
     {"name": "weather.get", "description": "Weather.", "parameters": {
@@ -126,65 +129,179 @@ FUNCS = [
         "type": "dict", "required": ["info"], "properties": {"info": {
             "type": "dict", "properties": {"email": {"type": "string"},
                                            "phone": {"type": "string"}}}}}},
+    {"name": "fit", "description": "Fit.", "parameters": {
+        "type": "dict", "required": ["x"], "properties": {
+            "x": {"type": "array", "items": {"type": "float"}},
+            "weights": {"type": "array", "items": {"type": "float"}},
+            "rows": {"type": "array", "items": {"type": "dict"}}}}},
 ]
 WEATHER = {"weather.get": {"city": ["Paris", "Paris, France"], "unit": ["celsius", ""],
                            "days": ["", 1]}}
 TIME = {"time.now": {"tz": ["Europe/Paris"]}}
+CHECKERS = ["tree_rl"] + (["bfcl_eval"] if bfcl.official_checker() is not None else [])
 
 
 def call(name, **arguments):
   return {"name": name, "arguments": arguments}
 
 
-def test_ast_optional_parameters_and_values():
-  assert ast_match(FUNCS, [WEATHER], [call("weather.get", city="Paris", unit="celsius")])[0]
-  assert ast_match(FUNCS, [WEATHER], [call("weather.get", city="Paris")])[0]  # "" acceptable
-  assert ast_match(FUNCS, [WEATHER], [call("weather.get", city="paris,  france", days=1)])[0]
-  ok, why = ast_match(FUNCS, [WEATHER], [call("weather.get", city="Lyon")])
-  assert not ok and "city" in why
-  assert not ast_match(FUNCS, [WEATHER], [call("weather.get", unit="celsius")])[0]  # required
-  assert not ast_match(FUNCS, [WEATHER], [call("weather.get", city="Paris", wind=True)])[0]
-  assert not ast_match(FUNCS, [TIME], [call("time.now")])[0]
-  assert not ast_match(FUNCS, [WEATHER], [call("time.now", tz="Europe/Paris")])[0]
+@pytest.fixture(params=CHECKERS)
+def check(request):
+  """ast_match with the checker under test; the category defaults to "multiple" (one call,
+  checked against the function the answer names)."""
+
+  def run(ground_truth, calls, category="multiple"):
+    return bfcl.ast_match(FUNCS, ground_truth, calls, category, request.param)
+
+  return run
+
+
+def test_ast_strings_ignore_only_ascii_spaces_and_some_punctuation(check):
+  assert check([WEATHER], [call("weather.get", city="Paris", unit="celsius")]).valid
+  assert check([WEATHER], [call("weather.get", city="paris,  france", days=1)]).valid
+  assert check([WEATHER], [call("weather.get", city=" PARIS ")]).valid
+  for city in ("Paris\n", "\tParis", "Paris\u00a0", "Paris,\u00a0France", "Paris,\nFrance"):
+    verdict = check([WEATHER], [call("weather.get", city=city)])
+    assert verdict == (False, "value_error:string", verdict.error) and repr(city) in verdict.error
   assert normalize_string("New-York City") == normalize_string("new york_city")
+  assert normalize_string("Toronto\n") != normalize_string("Toronto")
 
 
-def test_ast_numeric_types():
+def test_ast_parameters_required_optional_and_unknown(check):
+  assert check([WEATHER], [call("weather.get", city="Paris")]).valid  # "" acceptable
+  assert check([WEATHER], [call("weather.get", unit="celsius")]).error_type == (
+      "simple_function_checker:missing_required")
+  assert check([TIME], [call("time.now", tz="Europe/Paris", wind=True)]).error_type == (
+      "simple_function_checker:unexpected_param")
+  strict = {"weather.get": {"city": ["Paris"], "unit": ["celsius"]}}  # no "": must be given
+  assert check([strict], [call("weather.get", city="Paris")]).error_type == (
+      "simple_function_checker:missing_optional")
+  no_days = {"weather.get": {"city": ["Paris"]}}  # declared, but not in the answer
+  assert check([no_days], [call("weather.get", city="Paris", days=1)]).error_type == (
+      "simple_function_checker:unexpected_param")
+  assert check([WEATHER], [call("time.now", tz="Europe/Paris")]).error_type == (
+      "simple_function_checker:wrong_func_name")
+  assert check([WEATHER], [call("weather_get", city="Paris")]).error_type == (
+      "simple_function_checker:wrong_func_name")  # dots are kept, as for Qwen's FC mode
+
+
+def test_ast_numeric_and_boolean_types(check):
   area = {"area": {"radius": [5.0]}}
-  assert ast_match(FUNCS, [area], [call("area", radius=5)])[0]  # int for a float parameter
-  assert ast_match(FUNCS, [area], [call("area", radius=5.0)])[0]
-  assert not ast_match(FUNCS, [area], [call("area", radius=5.5)])[0]
-  assert not ast_match(FUNCS, [area], [call("area", radius="5")])[0]
+  assert check([area], [call("area", radius=5)]).valid  # int promoted for a float
+  assert check([area], [call("area", radius=5.0)]).valid
+  assert not check([area], [call("area", radius=5.5)]).valid
+  assert check([area], [call("area", radius="5")]).error_type == "type_error:simple"
+  assert check([area], [call("area", radius=True)]).error_type == "type_error:simple"
   days = {"weather.get": {"city": ["Paris"], "days": [3]}}
-  assert ast_match(FUNCS, [days], [call("weather.get", city="Paris", days=3)])[0]
-  assert not ast_match(FUNCS, [days], [call("weather.get", city="Paris", days=3.0)])[0]
-  assert not ast_match(FUNCS, [{"weather.get": {"city": ["Paris"], "days": [1]}}],
-                       [call("weather.get", city="Paris", days=True)])[0]
+  assert check([days], [call("weather.get", city="Paris", days=3)]).valid
+  assert check([days], [call("weather.get", city="Paris", days=3.0)]).error_type == (
+      "type_error:simple")
+  one = {"weather.get": {"city": ["Paris"], "days": [1]}}
+  assert check([one], [call("weather.get", city="Paris", days=True)]).error_type == (
+      "type_error:simple")
 
 
-def test_ast_parallel_order_extra_calls_and_pairing():
+def test_ast_float_arrays_reject_integer_items_unless_optional(check):
+  fit = {"fit": {"x": [[1.0, 2.0]]}}
+  assert check([fit], [call("fit", x=[1.0, 2.0])]).valid
+  assert check([fit], [call("fit", x=[1, 2])]).error_type == "type_error:nested"
+  assert check([fit], [call("fit", x=[1.0, "2"])]).error_type == "type_error:nested"
+  assert check([fit], [call("fit", x=[2.0, 1.0])]).error_type == "value_error:list/tuple"
+  # BFCL's quirk: an acceptable "" (optional) is not a list, so it lets the items through
+  # unchecked, and [1, 2] == [1.0, 2.0] in Python; [] matches "" (both have length 0).
+  loose = {"fit": {"x": [[1.0]], "weights": ["", [1.0, 2.0]]}}
+  assert check([loose], [call("fit", x=[1.0], weights=[1, 2])]).valid
+  assert check([loose], [call("fit", x=[1.0], weights=[])]).valid
+
+
+def test_ast_variables_compare_exactly(check):
+  """An answer of another type than the schema's (a string naming a variable) is compared
+  with ==, without string normalisation."""
+  fit = {"fit": {"x": ["data['x']"]}}
+  assert check([fit], [call("fit", x="data['x']")]).valid
+  assert check([fit], [call("fit", x="data['x'] ")]).error_type == "value_error:others"
+  assert check([fit], [call("fit", x=[1.0, 2.0])]).error_type == "value_error:others"
+  assert check([fit], [call("fit", x=1.0)]).error_type == "type_error:simple"
+
+
+def test_ast_dicts_and_lists_of_dicts(check):
+  gt = [{"update": {"info": [{"email": ["a@b.org"], "phone": [""]}]}}]
+  assert check(gt, [call("update", info={"email": "A@B.org"})]).valid
+  assert check(gt, [call("update", info={"email": "x@b.org"})]).error_type == (
+      "value_error:dict_value")
+  assert check(gt, [call("update", info={"email": "a@b.org", "fax": "1"})]).error_type == (
+      "value_error:dict_key")
+  assert check(gt, [call("update", info={"phone": ""})]).error_type == "value_error:dict_key"
+  # Dict values are compared with == and no type check: True == 1.
+  flag = [{"update": {"info": [{"email": [1]}]}}]
+  assert check(flag, [call("update", info={"email": True})]).valid
+  rows = [{"fit": {"x": [[1.0]], "rows": [[{"k": ["a"]}, {"k": ["b"]}]]}}]
+  assert check(rows, [call("fit", x=[1.0], rows=[{"k": "a"}, {"k": "b"}])]).valid
+  assert check(rows, [call("fit", x=[1.0], rows=[{"k": "b"}, {"k": "a"}])]).error_type == (
+      "value_error:dict_value")
+  assert check(rows, [call("fit", x=[1.0], rows=[{"k": "a"}])]).error_type == (
+      "value_error:list_dict_count")
+
+
+def test_ast_checker_crashes_are_wrong_answers(check):
+  # BFCL's checker raises on these; both rules report a wrong answer that says so.
+  huge = check([{"area": {"radius": [5.0]}}], [call("area", radius=10 ** 400)])
+  assert huge == (False, "ast_checker:raised", huge.error) and "OverflowError" in huge.error
+  # "" among the acceptable lists of dicts skips the item type check, then the dict check
+  # reads .items() of a number.
+  rows = [{"fit": {"x": [[1.0]], "rows": ["", [{"k": ["a"]}]]}}]
+  crash = check(rows, [call("fit", x=[1.0], rows=[5])])
+  assert crash.error_type == "ast_checker:raised" and "AttributeError" in crash.error
+  lost = check([{"gone": {"a": [1]}}, TIME], [call("time.now", tz="UTC")] * 2, "parallel")
+  assert lost.error_type == "ast_checker:raised" and "TypeError" in lost.error
+
+
+def test_ast_parallel_first_fit_depends_on_call_order(check):
   gt = [WEATHER, TIME]
   pair = [call("weather.get", city="Paris"), call("time.now", tz="Europe/Paris")]
-  assert ast_match(FUNCS, gt, pair)[0]
-  assert ast_match(FUNCS, gt, pair[::-1])[0]  # order does not matter
-  assert not ast_match(FUNCS, gt, pair + [call("time.now", tz="UTC")])[0]  # extra call
-  assert not ast_match(FUNCS, gt, pair[:1])[0]  # missing call
-  # Greedy pairing would give the first answer call the first prediction and fail.
+  for category in ("parallel", "parallel_multiple"):
+    assert check(gt, pair, category).valid
+    assert check(gt, pair[::-1], category).valid
+    assert check(gt, pair + [call("time.now", tz="UTC")], category).error_type == (
+        "parallel_function_checker_no_order:wrong_count")
+    assert check(gt, pair[:1], category).error_type == (
+        "parallel_function_checker_no_order:wrong_count")
+  # Each answer call takes the first unused call that fits it: the loose one takes "Paris"
+  # and leaves only "Rome" for the strict one. The other order matches.
   loose = {"weather.get": {"city": ["Paris", "Rome"]}}
   strict = {"weather.get": {"city": ["Paris"]}}
-  preds = [call("weather.get", city="Paris"), call("weather.get", city="Rome")]
-  assert ast_match(FUNCS, [loose, strict], preds)[0]
-  assert not ast_match(FUNCS, [strict, strict], preds)[0]
+  paris, rome = call("weather.get", city="Paris"), call("weather.get", city="Rome")
+  assert check([loose, strict], [paris, rome], "parallel").error_type == (
+      "parallel_function_checker_no_order:cannot_find_match")
+  assert check([loose, strict], [rome, paris], "parallel").valid
 
 
-def test_ast_dict_templates_and_irrelevance():
-  gt = [{"update": {"info": [{"email": ["a@b.org"], "phone": [""]}]}}]
-  assert ast_match(FUNCS, gt, [call("update", info={"email": "a@b.org"})])[0]
-  assert not ast_match(FUNCS, gt, [call("update", info={"email": "x@b.org"})])[0]
-  assert not ast_match(FUNCS, gt, [call("update", info={"email": "a@b.org", "fax": "1"})])[0]
-  assert not ast_match(FUNCS, gt, [call("update", info={"phone": "1"})])[0]
-  assert ast_match(FUNCS, [], [])[0]
-  assert not ast_match(FUNCS, [], [call("time.now", tz="UTC")])[0]
+def test_ast_simple_and_multiple_take_exactly_one_call(check):
+  one = [call("weather.get", city="Paris")]
+  assert check([WEATHER], one, "simple").valid and check([WEATHER], one, "multiple").valid
+  assert check([WEATHER], one * 2, "simple").error_type == "simple_function_checker:wrong_count"
+  assert check([WEATHER], one * 2, "multiple").error_type == (
+      "multiple_function_checker:wrong_count")
+  assert check([WEATHER], [], "multiple").error_type == "multiple_function_checker:wrong_count"
+  # simple checks against the first function doc, multiple against the answer's function.
+  area = [{"area": {"radius": [1.0]}}]
+  assert check(area, [call("area", radius=1.0)], "multiple").valid
+  assert check(area, [call("area", radius=1.0)], "simple").error_type == (
+      "simple_function_checker:wrong_func_name")
+
+
+def test_ast_irrelevance_and_bad_arguments(check):
+  assert check([], [], "irrelevance").valid
+  assert check([], [call("time.now", tz="UTC")], "irrelevance").error_type == (
+      "irrelevance_error:decoder_success")
+  with pytest.raises(ValueError, match="must have no possible answer"):
+    check([TIME], [], "irrelevance")
+  with pytest.raises(ValueError, match="must have a possible answer"):
+    check([], [], "parallel")
+  with pytest.raises(ValueError, match="unknown BFCL category 'live_simple'"):
+    check([TIME], [], "live_simple")
+  with pytest.raises(ValueError, match="checker must be"):
+    bfcl.ast_match(FUNCS, [TIME], [], "simple", "auto")
 
 
 def test_reference_calls_take_first_values_and_skip_omittable():
@@ -198,8 +315,8 @@ def test_reference_calls_take_first_values_and_skip_omittable():
 # ----------------------------------------------------------------------------- scoring
 
 
-def _task(*gt, category="parallel_multiple", no_call="match"):
-  family = BFCLFamily(no_call=no_call)
+def _task(*gt, category="parallel_multiple", no_call="match", checker="auto"):
+  family = BFCLFamily(no_call=no_call, checker=checker)
   item = BfclItem("hand", category, ({"role": "user", "content": "q"},), tuple(FUNCS), gt)
   return family, family.task_from_item(item, "eval", "bfcl/eval/hand")
 
@@ -242,11 +359,42 @@ def test_score_irrelevance():
   assert out.reward == 2.0 and out.correct and out.answered
   called = family.score(task, list(task.messages) + _calls_step(("time.now", {"tz": "UTC"})), True)
   assert called.reward == 1.0 and not called.correct
+  assert called.details["ast_error_type"] == "irrelevance_error:decoder_success"
   malformed = _step("<think>x</think>\n<tool_call>{oops</tool_call>")
   out = family.score(task, list(task.messages) + malformed, False)
   assert out.correct and out.reward == 0.0  # BFCL: no decodable call; AWPO: bad format
   family, task = _task(category="irrelevance", no_call="toolrl")
   assert family.score(task, list(task.messages) + answer, False).reward == 1.0
+
+
+@pytest.mark.parametrize("checker", CHECKERS)
+def test_score_malformed_block_fails_decoding(checker):
+  """Any malformed block fails the step's decoding, as an exception in a BFCL handler's
+  decoder does: wrong where calls are expected, "no call" (right) for irrelevance."""
+  good = _calls_step(("time.now", {"tz": "Europe/Paris"}))[0]["content"]
+  step = _step(good + "\n<tool_call>{oops</tool_call>")
+  family, task = _task(TIME, category="multiple", checker=checker)
+  out = family.score(task, list(task.messages) + step, False)
+  assert not out.correct and out.details["ast_error_type"] == "ast_decoder:decoder_failed"
+  assert family.score(task, list(task.messages) + _step(good), False).correct
+  family, task = _task(category="irrelevance", checker=checker)
+  assert family.score(task, list(task.messages) + step, False).correct
+
+
+def test_family_says_which_checker_scored(monkeypatch):
+  family, task = _task(TIME, category="multiple", checker="tree_rl")
+  episode = list(task.messages) + _calls_step(("time.now", {"tz": "Europe/Paris"}))
+  assert family.checker == "tree_rl" and family.score(task, episode, False).details[
+      "checker"] == "tree_rl"
+  with pytest.raises(ValueError, match="checker must be one of"):
+    BFCLFamily(checker="official")
+  monkeypatch.setattr(bfcl, "official_checker", lambda: None)  # bfcl-eval not installed
+  family = BFCLFamily()
+  assert family.checker == "tree_rl"
+  out = family.score(task, episode, False)
+  assert out.correct and out.details["checker"] == "tree_rl"
+  with pytest.raises(ModuleNotFoundError, match="pip install --no-deps bfcl-eval"):
+    BFCLFamily(checker="bfcl_eval")
 
 
 def test_oracle_is_correct_with_full_reward():

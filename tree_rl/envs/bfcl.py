@@ -1,22 +1,25 @@
-"""BFCL-style single-step function calling, scored as AWPO scores it (specs/awpo.md §2.1, §5.4).
+"""BFCL-style single-step function calling, scored as AWPO scores it and as BFCL scores it.
 
-One task is one user request and a handful of function docs; the policy answers in a
-single step with one <tool_call> block per call, or with a plain <answer> when no function
-fits (irrelevance). Two verdicts come out of `score`:
+AWPO (arXiv 2512.19126) §3.2, Eqs. 14-19 trains on single-step function calling; BFCL is
+where it is evaluated (§4.1). One task is one user request and a handful of function docs;
+the policy answers in a single step with one <tool_call> block per call, or with a plain
+<answer> when no function fits (irrelevance). Two verdicts come out of `score`:
 
-  - reward (AWPO eqs. 14-19): S_format + S_exec in [0, 2]. S_format is 1 when the step
+  - reward (AWPO Eqs. 14-19): S_format + S_exec in [0, 2]. S_format is 1 when the step
     has a think block and either well-formed calls or, without calls, a non-empty answer.
     S_exec compares the well-formed calls with one reference call list: the first
     acceptable value of every argument of BFCL's possible answer, leaving out optional
     arguments that may be omitted ("" among their acceptable values). An irrelevance task
-    has no reference call; AWPO leaves that case open (spec §7 E8) and we use the "match"
-    convention by default: S_exec = 1 when the step makes no call either, so the right
-    behaviour earns the full 2.
-  - correct: our own implementation of BFCL's AST rule (`ast_match`), which accepts every
-    acceptable value, not just the first one.
+    has no reference call; AWPO leaves that case open and we use the "match" convention by
+    default: S_exec = 1 when the step makes no call either, so the right behaviour earns 2.
+  - correct: BFCL's AST verdict (`ast_match`), from BFCL's own checker in the bfcl-eval
+    package when it is installed, else from our branch-for-branch restatement of it; the
+    family's `checker` attribute and every outcome's details["checker"] say which one
+    scored ("bfcl_eval" or "tree_rl"). docs/bfcl.md describes both and where BFCL's checker
+    is inconsistent.
 
-Calls are never executed for scoring (AWPO trains single steps against ground-truth calls,
-§2.1), so each function's Tool returns a deterministic echo of its call; it exists so that
+Calls are never executed for scoring (AWPO trains single steps against ground-truth calls),
+so each function's Tool returns a deterministic echo of its call; it exists so that
 rollouts that execute calls anyway, and the oracle's tool messages, have something to show.
 The `truncated` flag is ignored: with one turn allowed, every step with calls ends at the
 turn limit, and a step cut off by the token limit already fails the format check.
@@ -25,10 +28,15 @@ turn limit, and a step cut off by the token limit already fails the format check
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
+import inspect
 import random
 import re
+import sys
+import types
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from tree_rl.envs.base import (Message, Outcome, Task, Tool, render_tool_output,
                                render_tool_prompt)
@@ -83,155 +91,385 @@ def function_tool(doc: Mapping[str, Any]) -> Tool:
 
 
 # ----------------------------------------------------------------------------- AST checker
+# BFCL scores a single-turn answer in two stages (bfcl_eval/eval_checker/eval_runner.py): the
+# model handler decodes the text into calls [{name: {param: value}}], then
+#   - irrelevance: correct when the decoded list is empty or decoding failed;
+#   - the other categories: a decoding failure is wrong, else `ast_checker(functions, decoded,
+#     possible_answer, Language.PYTHON, test_category, model_name)` decides.
+# `ast_checker` dispatches on the test category's name: "parallel" in it -> every answer call,
+# in order, takes the first still-unused output call that passes it (first fit, so the verdict
+# can depend on the order of the calls); "multiple" -> exactly one call, checked against the
+# doc named by the answer; otherwise (simple) -> exactly one call, checked against the first doc.
+# `_ast_checker` below is our restatement of that checker, branch for branch, including its
+# quirks (docs/bfcl.md lists them); `_official` calls the checker shipped in bfcl-eval, and
+# `ast_match` runs either one on tree_rl's parsed calls.
 
-# BFCL compares strings after dropping spaces and the characters , . / - _ * ^, lowercasing
-# and reading ' as " (so "New York" == "new-york" and "2024-01-05" == "20240105").
-_IGNORED = re.compile(r"[\s,./\-_*^]")
+CHECKERS = ("auto", "bfcl_eval", "tree_rl")
+# BFCL's test-category name of each family category (the name the checker dispatches on).
+BFCL_TEST_CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
+                        "parallel_multiple": "parallel_multiple", "irrelevance": "irrelevance"}
+# The BFCL model entry whose decoding we mirror: Qwen3 in function-calling mode reads each
+# <tool_call> block as JSON {"name", "arguments"} and keeps dotted names (underscore_to_dot is
+# False), the only model setting the checker reads. BFCL passes it with "/" written as "_".
+BFCL_MODEL = "Qwen/Qwen3-8B-FC"
+_CHECKER_MODULE = "bfcl_eval.eval_checker.ast_eval.ast_checker"
+_MODEL_CONFIG_MODULE = "bfcl_eval.constants.model_config"
+_CHECKER_ARGS = ("func_description", "model_output", "possible_answer", "language",
+                 "test_category", "model_name")
+# Exceptions BFCL's checker raises on inputs it does not handle (docs/bfcl.md, "crashes").
+_CHECKER_CRASHES = (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError)
+
+# BFCL's Python type of each schema type name ("any" is checked as a string).
+PYTHON_TYPES = {"string": str, "integer": int, "float": float, "boolean": bool, "array": list,
+                "tuple": list, "dict": dict, "any": str}
+_NESTED_TYPES = ("array", "tuple")  # the types whose items are type-checked, one level deep
+# Strings are compared after dropping ASCII spaces and , . / - _ * ^, lowercasing and reading
+# ' as ": "New York" == "new-york", but "Toronto\n" != "Toronto" (only " " is dropped).
+_IGNORED = re.compile(r"[ ,./\-_*^]")
 
 
+class Verdict(NamedTuple):
+  """One AST verdict.
+
+  Attributes:
+    valid: the answer counts as correct.
+    error_type: BFCL's error type ("simple_function_checker:missing_required", ...), "" when
+      valid; "ast_checker:raised" when BFCL's checker raises on the input.
+    error: a readable reason, "" when valid.
+  """
+
+  valid: bool
+  error_type: str = ""
+  error: str = ""
+
+
+_VALID = Verdict(True)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the same acceptable values come back for every sample
 def normalize_string(text: str) -> str:
-  """BFCL's string normalisation for the AST comparison."""
+  """BFCL's `standardize_string`: the form in which strings are compared."""
   return _IGNORED.sub("", text).lower().replace("'", '"')
 
 
-def _type_ok(type_name: Any, value: Any) -> bool:
-  """BFCL's Python type check; an int passes for a float parameter, a bool never for a number."""
-  if type_name == "integer":
-    return type(value) is int
-  if type_name in ("float", "number"):
-    return type(value) in (int, float)
-  if type_name == "string":
-    return isinstance(value, str)
-  if type_name == "boolean":
-    return isinstance(value, bool)
-  if type_name in ("array", "tuple", "list"):
-    return isinstance(value, list)
-  if type_name in ("dict", "object"):
-    return isinstance(value, Mapping)
-  return True  # "any", or no type given
+def _type_check(value: Any, acceptable: Any, expected: type,
+                nested: type | None) -> tuple[bool, bool, str]:
+  """BFCL's `type_checker`: (ok, is_variable, error_type).
+
+  A value of another type than the schema's still passes when it has the type of the
+  possible answer (BFCL's "variable" case: the answer holds a string naming a variable); the
+  possible answer's type is that of its first acceptable value other than "". A list's items
+  are checked, by the same rule one level down, against each acceptable list in turn; an
+  acceptable value that is not a list (the "" of an optional parameter) passes the items
+  unchecked.
+  """
+  answer_type = next((type(a) for a in acceptable if a != ""), None)
+  is_variable = answer_type is not None and answer_type != expected
+  if type(value) == expected:  # exact types: a bool is not an int here
+    if nested is None:
+      return True, is_variable, ""
+    for option in acceptable:  # items: the item type, or the type of the option's items
+      if type(option) != list:
+        return True, is_variable, ""
+      item_type = next((type(a) for a in option if a != ""), None)
+      if all(type(v) == nested or type(v) == item_type for v in value):
+        return True, is_variable, ""
+    # BFCL names the failure "nested" only when the list also has the answer's type.
+    return False, False, "type_error:nested" if type(value) == answer_type else "type_error:simple"
+  if answer_type is not None and type(value) == answer_type:
+    return True, True, ""
+  return False, False, "type_error:simple"
 
 
-def _equal(pred: Any, acc: Any) -> bool:
-  """Whether a predicted value equals one acceptable value (dicts are answer templates)."""
-  if isinstance(acc, Mapping):
-    return isinstance(pred, Mapping) and _template_match(pred, acc)
-  if isinstance(acc, list):
-    return (isinstance(pred, list) and len(pred) == len(acc)
-            and all(_equal(p, a) for p, a in zip(pred, acc)))
-  if isinstance(acc, str):
-    return isinstance(pred, str) and normalize_string(pred) == normalize_string(acc)
-  if isinstance(acc, bool) or isinstance(pred, bool):
-    return type(pred) is type(acc) and pred == acc
-  if isinstance(acc, (int, float)):
-    return type(pred) in (int, float) and pred == acc
-  return pred == acc
+def _list_ok(value: list, acceptable: Sequence[Any]) -> bool:
+  """BFCL's `list_checker`: the list, strings normalised, equals one acceptable list."""
+  options = [[normalize_string(x) if type(x) is str else x
+              for x in (option[j] for j in range(len(option)))] for option in acceptable]
+  return [normalize_string(v) if type(v) is str else v for v in value] in options
 
 
-def _template_match(pred: Mapping[str, Any], template: Mapping[str, Any]) -> bool:
-  """A dict value against a possible-answer dict {key: [acceptable, ...]}."""
-  for key, value in pred.items():
-    accs = template.get(key, _MISSING)
-    if accs is _MISSING:
-      return False
-    if not any(_equal(value, a) for a in (accs if isinstance(accs, list) else [accs])):
-      return False
-  return all(key in pred or (isinstance(accs, list) and "" in accs)
-             for key, accs in template.items())
+def _dict_check(value: Any, acceptable: Sequence[Any]) -> Verdict:
+  """BFCL's `dict_checker`: the dict against each acceptable template {key: [values]}.
+
+  Keys must be known to the template, values (strings normalised, one level only) among the
+  key's acceptable values, and a key may be left out only where "" is acceptable. `value` is
+  a dict except in the item of a list that skipped its type check (see `_type_check`), where
+  BFCL raises AttributeError, and so does this.
+  """
+  result = Verdict(False, "dict_checker:unclear", "no acceptable dict")
+  for template in acceptable:
+    if template == "":
+      continue
+    result, ok = Verdict(False, "dict_checker:unclear"), True
+    for key, item in value.items():
+      if key not in template:
+        result, ok = Verdict(False, "value_error:dict_key", f"unexpected dict key {key!r}"), False
+        break
+      options = [normalize_string(x) if type(x) is str else x
+                 for x in (template[key][i] for i in range(len(template[key])))]
+      if (normalize_string(item) if type(item) is str else item) not in options:
+        result, ok = Verdict(False, "value_error:dict_value",
+                             f"invalid value for key {key!r}: {item!r}"), False
+        break
+    for key, options in template.items():  # BFCL runs this even after a failure above
+      if key not in value and "" not in options:
+        result, ok = Verdict(False, "value_error:dict_key", f"missing dict key {key!r}"), False
+        break
+    if ok:
+      return _VALID
+  return result
 
 
-def _same_kind(pred: Any, acc: Any) -> bool:
-  """Whether two values have the same Python types, element by element (5 vs 5.0 differ)."""
-  if isinstance(acc, list):
-    return (isinstance(pred, list) and len(pred) == len(acc)
-            and all(_same_kind(p, a) for p, a in zip(pred, acc)))
-  if isinstance(acc, Mapping):
-    return isinstance(pred, Mapping)
-  return type(pred) is type(acc)
+def _list_dict_check(value: list, acceptable: Sequence[Any]) -> Verdict:
+  """BFCL's `list_dict_checker`: a list of dicts, position by position, against each
+  acceptable list of templates (an acceptable "" has length 0, so it accepts [])."""
+  result = Verdict(False, "list_dict_checker:unclear", "no acceptable list")
+  for option in acceptable:
+    if len(value) != len(option):
+      result = Verdict(False, "value_error:list_dict_count", "wrong number of dicts in the list")
+      continue
+    ok = True
+    for i in range(len(value)):
+      result = _dict_check(value[i], [option[i]])
+      if not result.valid:
+        ok = False
+        break
+    if ok:
+      return _VALID
+  return result
 
 
-def _value_ok(schema: Mapping[str, Any], value: Any, acceptable: Sequence[Any]) -> bool:
-  """One argument value against its schema and its acceptable values."""
-  items = schema.get("items") if isinstance(schema.get("items"), Mapping) else {}
-  typed = _type_ok(schema.get("type"), value) and not (
-      isinstance(value, list) and any(not _type_ok(items.get("type"), v) for v in value))
-  if not typed:
-    # A type error is forgiven when the possible answer itself holds a value of the same
-    # kind: BFCL accepts a string naming a variable ("data['sales']") for an array, and
-    # some answers disagree with their own schema (strings for integer items).
-    return any(a != "" and _same_kind(value, a) and _equal(value, a) for a in acceptable)
-  return any(_equal(value, a) for a in acceptable)
+def _call_check(doc: Mapping[str, Any], output: Mapping[str, Mapping[str, Any]],
+                answer: Mapping[str, Mapping[str, Sequence[Any]]]) -> Verdict:
+  """BFCL's `simple_function_checker` (Python): one decoded call against one answer call.
+
+  Args:
+    doc: the function doc to check against (its name must be the call's).
+    output: one decoded call {name: {param: value}}.
+    answer: one possible-answer call {name: {param: [acceptable values]}}.
+  """
+  expected_args = list(answer.values())[0]
+  name, params = doc["name"], doc["parameters"]
+  properties, required = params["properties"], params["required"]
+  if name not in output:
+    return Verdict(False, "simple_function_checker:wrong_func_name",
+                   f"function {name!r} not found in the output")
+  arguments = output[name]
+  for param in required:
+    if param not in arguments:
+      return Verdict(False, "simple_function_checker:missing_required",
+                     f"missing required parameter {param!r}")
+  for param, value in arguments.items():
+    if param not in properties or param not in expected_args:
+      return Verdict(False, "simple_function_checker:unexpected_param",
+                     f"unexpected parameter {param!r}")
+    schema, acceptable = properties[param], expected_args[param]
+    type_name = schema["type"]
+    expected = PYTHON_TYPES[type_name]
+    nested = PYTHON_TYPES[schema["items"]["type"]] if type_name in _NESTED_TYPES else None
+    if type_name == "float" and type(value) is int:  # Python's int -> float promotion
+      value = float(value)
+    ok, is_variable, error_type = _type_check(value, acceptable, expected, nested)
+    if not ok:
+      return Verdict(False, error_type,
+                     f"wrong type for {param!r}: expected {type_name}, got {value!r}")
+    if not is_variable:
+      if expected is dict:
+        result = _dict_check(value, acceptable)
+      elif expected is list and nested is dict:
+        result = _list_dict_check(value, acceptable)
+      elif expected is str:
+        options = [normalize_string(a) for a in acceptable if type(a) is str]
+        result = (_VALID if normalize_string(value) in options else
+                  Verdict(False, "value_error:string", f"invalid value for {param!r}: {value!r}"))
+      elif expected is list:
+        result = (_VALID if _list_ok(value, acceptable) else
+                  Verdict(False, "value_error:list/tuple",
+                          f"invalid value for {param!r}: {value!r}"))
+      else:
+        result = None
+      if result is not None:
+        if not result.valid:
+          return result
+        continue
+    if value not in acceptable:  # Python equality: 5.0 == 5 and True == 1
+      return Verdict(False, "value_error:others", f"invalid value for {param!r}: {value!r}")
+  for param, acceptable in expected_args.items():
+    if param not in arguments and "" not in acceptable:
+      return Verdict(False, "simple_function_checker:missing_optional",
+                     f"parameter {param!r} not provided and not optional")
+  return _VALID
 
 
-def _call_error(doc: Mapping[str, Any], answer: Mapping[str, Sequence[Any]],
-                arguments: Mapping[str, Any]) -> str | None:
-  """Why one call's arguments fail one possible-answer call, or None when they match."""
-  params = doc.get("parameters", {})
-  props = params.get("properties", {})
-  for key in params.get("required", ()):
-    if key not in arguments:
-      return f"missing required parameter '{key}'"
-  for key, value in arguments.items():
-    if key not in props:
-      return f"unexpected parameter '{key}'"
-    if key not in answer:
-      return f"parameter '{key}' should not be set"
-    if not _value_ok(props[key], value, answer[key]):
-      return f"wrong value for '{key}': {value!r}"
-  for key, accs in answer.items():
-    if key not in arguments and "" not in accs:
-      return f"missing parameter '{key}'"
-  return None
+def _find_doc(functions: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any]:
+  for doc in functions:
+    if doc["name"] == name:
+      return doc
+  # BFCL's checker goes on with None and raises TypeError: the answer names a function that
+  # is not offered, a data error no output can fix.
+  raise TypeError(f"the possible answer calls {name!r}, which is not among the functions")
+
+
+def _ast_checker(functions: Sequence[Mapping[str, Any]],
+                 decoded: Sequence[Mapping[str, Mapping[str, Any]]],
+                 ground_truth: Sequence[Mapping[str, Mapping[str, Sequence[Any]]]],
+                 test_category: str) -> Verdict:
+  """BFCL's `ast_checker` for Python categories, dispatching on the test category's name."""
+  if "parallel" in test_category:
+    if len(decoded) != len(ground_truth):
+      return Verdict(False, "parallel_function_checker_no_order:wrong_count",
+                     f"expected {len(ground_truth)} call(s), got {len(decoded)}")
+    used: list[int] = []
+    for i, answer in enumerate(ground_truth):
+      doc = _find_doc(functions, list(answer)[0])
+      reasons = []
+      for j, output in enumerate(decoded):
+        if j in used:
+          continue
+        result = _call_check(doc, output, answer)
+        if result.valid:
+          used.append(j)
+          break
+        reasons.append(f"call {j}: {result.error}")
+      else:  # first fit: an earlier answer may have taken the only call that fits this one
+        return Verdict(False, "parallel_function_checker_no_order:cannot_find_match",
+                       f"no unused call matches answer call {i} ({'; '.join(reasons)})")
+    return _VALID
+  if "multiple" in test_category:
+    if len(decoded) != len(ground_truth):
+      return Verdict(False, "multiple_function_checker:wrong_count",
+                     f"expected {len(ground_truth)} call(s), got {len(decoded)}")
+    return _call_check(_find_doc(functions, list(ground_truth[0])[0]), decoded[0],
+                       ground_truth[0])
+  if len(decoded) != 1:
+    return Verdict(False, "simple_function_checker:wrong_count",
+                   f"expected 1 call, got {len(decoded)}")
+  return _call_check(functions[0], decoded[0], ground_truth[0])
+
+
+# ----------------------------------------------------------------------------- the two checkers
+
+
+@functools.lru_cache(maxsize=1)
+def official_checker() -> types.ModuleType | None:
+  """BFCL's `ast_checker` module from the installed bfcl-eval, or None when it is absent.
+
+  The module itself needs only the standard library, but one of its imports,
+  `bfcl_eval.constants.model_config`, builds BFCL's registry of every model handler and so
+  imports every vendor SDK (anthropic, openai, boto3, ...), which `pip install --no-deps`
+  leaves out. The checker reads one thing from that registry, `underscore_to_dot` of the
+  model it scores, so the module is executed with a stand-in registry holding the entry of
+  BFCL_MODEL (its value in BFCL's registry is False as well); the stand-in is only visible
+  while the module runs its imports, and the module is not registered in `sys.modules`. A
+  registry that is already imported (bfcl-eval installed with its dependencies and in use)
+  is used as it is.
+
+  Raises:
+    ImportError: bfcl-eval is installed but has no `ast_checker` with BFCL's signature.
+  """
+  if importlib.util.find_spec("bfcl_eval") is None:
+    return None
+  spec = importlib.util.find_spec(_CHECKER_MODULE)
+  if spec is None or spec.loader is None:
+    raise ImportError(f"bfcl-eval is installed but has no {_CHECKER_MODULE}; "
+                      "use checker='tree_rl'")
+  module = importlib.util.module_from_spec(spec)
+  registry = types.ModuleType(_MODEL_CONFIG_MODULE)
+  registry.MODEL_CONFIG_MAPPING = {BFCL_MODEL: types.SimpleNamespace(underscore_to_dot=False)}
+  standin = _MODEL_CONFIG_MODULE not in sys.modules
+  if standin:
+    sys.modules[_MODEL_CONFIG_MODULE] = registry
+  try:
+    spec.loader.exec_module(module)
+  except ImportError as e:
+    raise ImportError(f"bfcl-eval's checker does not import ({e}); use checker='tree_rl'") from e
+  finally:
+    if standin and sys.modules.get(_MODEL_CONFIG_MODULE) is registry:
+      del sys.modules[_MODEL_CONFIG_MODULE]
+  checker = getattr(module, "ast_checker", None)
+  args = tuple(inspect.signature(checker).parameters) if callable(checker) else ()
+  if args != _CHECKER_ARGS:
+    raise ImportError(f"bfcl-eval's ast_checker takes {args}, expected {_CHECKER_ARGS}; "
+                      "use checker='tree_rl'")
+  return module
+
+
+def resolve_checker(checker: str) -> str:
+  """The checker that scores accuracy: "bfcl_eval" (the official one) or "tree_rl".
+
+  "auto" picks bfcl_eval when the package is installed, else tree_rl.
+  """
+  if checker not in CHECKERS:
+    raise ValueError(f"checker must be one of {CHECKERS}, got {checker!r}")
+  if checker == "tree_rl":
+    return checker
+  if official_checker() is not None:
+    return "bfcl_eval"
+  if checker == "bfcl_eval":
+    raise ModuleNotFoundError("checker='bfcl_eval' needs the bfcl-eval package; install it "
+                              "with `pip install --no-deps bfcl-eval`")
+  return "tree_rl"
+
+
+def _official(functions: Sequence[Mapping[str, Any]],
+              decoded: Sequence[Mapping[str, Mapping[str, Any]]],
+              ground_truth: Sequence[Mapping[str, Mapping[str, Sequence[Any]]]],
+              test_category: str) -> Verdict:
+  """BFCL's own `ast_checker` on decoded calls, its result dict read into a Verdict."""
+  module = official_checker()
+  if module is None:
+    raise ModuleNotFoundError("the official BFCL checker needs the bfcl-eval package")
+  # A list of docs (BFCL's find_description reads a non-list as the one doc), Python typing,
+  # and the model name as BFCL's runner spells it.
+  result = module.ast_checker(list(functions), list(decoded), list(ground_truth),
+                              module.Language.PYTHON, test_category,
+                              BFCL_MODEL.replace("/", "_"))
+  if result["valid"]:
+    return _VALID
+  errors = result.get("error", [])
+  errors = errors if isinstance(errors, list) else [errors]
+  return Verdict(False, result.get("error_type", ""),
+                 "; ".join(e if isinstance(e, str) else repr(e) for e in errors))
+
+
+_RULES = {"tree_rl": _ast_checker, "bfcl_eval": _official}
 
 
 def ast_match(functions: Sequence[Mapping[str, Any]],
               ground_truth: Sequence[Mapping[str, Mapping[str, Sequence[Any]]]],
-              calls: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
-  """BFCL's AST verdict on a step's calls (our implementation of its rule).
+              calls: Sequence[Mapping[str, Any]], category: str,
+              checker: str = "tree_rl") -> Verdict:
+  """BFCL's AST verdict on one step's decoded calls.
 
-  The calls must pair one-to-one with the possible-answer calls, in any order: same
-  function names as a multiset, every required parameter present, no unknown parameter,
-  optional ones omitted only where "" is acceptable, and every value among the acceptable
-  ones (strings normalised, an int accepted for a float). With no possible-answer call
-  (irrelevance) the verdict is True exactly when there is no call.
+  Args:
+    functions: the function docs offered (BFCL schema dialect).
+    ground_truth: the possible answer, one {name: {param: [acceptable]}} per call; empty
+      exactly for irrelevance.
+    calls: the step's calls [{"name": str, "arguments": {...}}], in the order written.
+    category: the family category (a key of BFCL_TEST_CATEGORIES).
+    checker: "tree_rl" (our restatement) or "bfcl_eval" (the checker in bfcl-eval).
 
   Returns:
-    (match, reason): the reason names the first problem found, "" on a match.
+    The Verdict. Irrelevance is valid exactly when there is no call (BFCL's relevance rule).
+    An input on which BFCL's checker raises is not valid, with error_type
+    "ast_checker:raised" (docs/bfcl.md lists the inputs that do this).
   """
-  if not ground_truth:
-    return (not calls), ("" if not calls else "a call was made but none was expected")
-  if len(calls) != len(ground_truth):
-    return False, f"expected {len(ground_truth)} call(s), got {len(calls)}"
-  docs = {f["name"]: f for f in functions}
-  fits: list[list[int]] = []  # fits[i]: the calls that satisfy answer call i
-  reasons = []
-  for answer in ground_truth:
-    (name, args), = answer.items()
-    ok, why = [], f"no call to '{name}'"
-    for j, call in enumerate(calls):
-      if call.get("name") != name or name not in docs:
-        continue
-      error = _call_error(docs[name], args, call.get("arguments") or {})
-      if error is None:
-        ok.append(j)
-      else:
-        why = f"'{name}': {error}"
-    fits.append(ok)
-    reasons.append(why)
-  owner = [-1] * len(calls)  # Kuhn's augmenting paths: a greedy pairing can miss a match
-
-  def assign(i: int, seen: set[int]) -> bool:
-    for j in fits[i]:
-      if j not in seen:
-        seen.add(j)
-        if owner[j] < 0 or assign(owner[j], seen):
-          owner[j] = i
-          return True
-    return False
-
-  for i in range(len(ground_truth)):
-    if not assign(i, set()):
-      return False, reasons[i] if not fits[i] else f"calls cannot be paired ({reasons[i]})"
-  return True, ""
+  if category not in BFCL_TEST_CATEGORIES:
+    raise ValueError(f"unknown BFCL category {category!r}; choose from {CATEGORIES}")
+  if checker not in _RULES:
+    raise ValueError(f"checker must be 'tree_rl' or 'bfcl_eval', got {checker!r}")
+  if (category == "irrelevance") != (not ground_truth):
+    raise ValueError(f"a {category!r} task must have {'no' if category == 'irrelevance' else 'a'}"
+                     f" possible answer, got {len(ground_truth)} answer call(s)")
+  if category == "irrelevance":
+    return _VALID if not calls else Verdict(
+        False, "irrelevance_error:decoder_success", f"{len(calls)} call(s) made, none expected")
+  # The decoded form BFCL's handlers produce: one {name: {param: value}} per call, in order.
+  decoded = [{c["name"]: dict(c.get("arguments") or {})} for c in calls]
+  try:
+    return _RULES[checker](functions, decoded, ground_truth, BFCL_TEST_CATEGORIES[category])
+  except _CHECKER_CRASHES as e:
+    return Verdict(False, "ast_checker:raised", f"BFCL's checker raises {type(e).__name__}: {e}")
 
 
 # ----------------------------------------------------------------------------- reference calls
@@ -311,12 +549,15 @@ class BFCLFamily:
   max_turns = 1
 
   def __init__(self, categories: Sequence[str] = CATEGORIES, reward: str = "awpo",
-               no_call: str = "match"):
+               no_call: str = "match", checker: str = "auto"):
     """Args:
       categories: any of "simple", "multiple", "parallel", "parallel_multiple",
         "irrelevance" (BFCL's simple category is its Python file).
       reward: "awpo" (S_format + S_exec in [0, 2]) or "ast" (1 if `ast_match`, else 0).
       no_call: S_exec of a task without a reference call (execution_match's `no_call`).
+      checker: who decides `correct`: "bfcl_eval" (BFCL's checker; needs the package),
+        "tree_rl" (our restatement) or "auto" (bfcl_eval when installed). The resolved
+        choice is the `checker` attribute.
     """
     unknown = [c for c in categories if c not in CATEGORIES]
     if unknown or not categories:
@@ -328,6 +569,7 @@ class BFCLFamily:
     self.categories = tuple(categories)
     self.reward = reward
     self.no_call = no_call
+    self.checker = resolve_checker(checker)
 
   def generate(self, split: str, num_tasks: int, seed: int) -> list[Task]:
     """Eval: a seeded sample of the BFCL items of the chosen categories; train: synthetic."""
@@ -368,12 +610,13 @@ class BFCLFamily:
   def score(self, task: Task, episode: Sequence[Message], truncated: bool) -> Outcome:
     """AWPO reward and BFCL AST correctness of the episode's single assistant step."""
     del truncated  # see the module docstring
+    category = task.metadata["category"]
     step = next((m for m in episode[len(task.messages):] if m.get("role") == "assistant"), None)
     if step is None:
       return Outcome(reward=0.0, correct=False, answered=False,
                      details={"s_exec": 0.0, "format_ok": False, "pred_calls": [],
-                              "ast_reason": "no assistant step",
-                              "category": task.metadata["category"]})
+                              "ast_reason": "no assistant step", "ast_error_type": "no_step",
+                              "checker": self.checker, "category": category})
     parsed = parse_step(step.get("content") or "")
     pred = [{"name": c.name, "arguments": dict(c.arguments)} for c in parsed.calls
             if c.error is None and c.name is not None and c.arguments is not None]
@@ -382,14 +625,19 @@ class BFCLFamily:
                                               else bool(parsed.answer))
     gt = task.metadata["reference_calls"]
     s_exec = execution_match(gt, pred, no_call=self.no_call) if format_ok else 0.0
-    match, reason = ast_match(task.metadata["functions"], task.answer, pred)
-    # A malformed block fails BFCL's decoding: wrong for a task that needs calls, but still
-    # "no call" for an irrelevance task, as in BFCL.
-    correct = match and (not task.answer or parsed.fields_ok)
+    if has_blocks and not parsed.fields_ok:
+      # A malformed block fails decoding, as an exception in a BFCL handler's decode does:
+      # wrong where calls are expected, "no call" (right) for irrelevance.
+      verdict = Verdict(category == "irrelevance", "ast_decoder:decoder_failed",
+                        "a <tool_call> block is malformed")
+    else:
+      verdict = ast_match(task.metadata["functions"], task.answer, pred, category, self.checker)
     if self.reward == "awpo":
       reward = awpo_outcome_reward(format_ok, gt, pred, no_call=self.no_call)
     else:
-      reward = 1.0 if correct else 0.0
-    return Outcome(reward=reward, correct=correct, answered=has_blocks or bool(parsed.answer),
+      reward = 1.0 if verdict.valid else 0.0
+    return Outcome(reward=reward, correct=verdict.valid,
+                   answered=has_blocks or bool(parsed.answer),
                    details={"s_exec": s_exec, "format_ok": format_ok, "pred_calls": pred,
-                            "ast_reason": reason, "category": task.metadata["category"]})
+                            "ast_reason": verdict.error, "ast_error_type": verdict.error_type,
+                            "checker": self.checker, "category": category})

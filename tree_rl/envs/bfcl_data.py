@@ -1,10 +1,10 @@
 """BFCL function-calling items: the bundled BFCL v4 eval categories and a synthetic train set.
 
 The eval split reads the single-turn Python categories shipped inside the `bfcl-eval`
-package (its data files only: the package's own modules need dependencies we do not
-install). The train split must never leak those questions, so it comes from a seeded
-generator of requests over ~25 invented functions in several domains (geometry, unit
-conversion, finance, weather, calendars, text utilities, math, travel, accounts). Both
+package (its data files only; `bfcl.py` loads the package's AST checker, docs/bfcl.md).
+The train split must never leak those questions, so it comes from a seeded generator of
+requests over ~25 invented functions in several domains (geometry, unit conversion,
+finance, weather, calendars, text utilities, math, travel, accounts). Both
 produce `BfclItem`s in BFCL's own format: function docs with BFCL type names
 ("dict", "float", "tuple", ...) and possible answers `{name: {param: [acceptable, ...]}}`,
 where "" among the acceptable values means the parameter may be omitted.
