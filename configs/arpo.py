@@ -1,4 +1,5 @@
-"""ARPO's advantage (GRPO over every leaf of the tree) on the tool world.
+"""ARPO's advantage (GRPO over every leaf of the tree) on the tool world (ARPO, arXiv
+2507.19849; tree_rl's reading: docs/methods/grpo.md#arpo-advantage-attribution).
 
 Command: python launch/train.py --config=configs/arpo.py --workdir=/tmp/arpo
 Ablations: :runlocal.

@@ -1,9 +1,18 @@
 """AWPO on single-step function calling (BFCL format): outcome reward S_format + S_exec,
 judged reasoning reward R_reason, variance-aware gating, difficulty weighting and the adaptive
-clip (specs/awpo.md).
+clip (AWPO, arXiv 2512.19126, §3.2; docs/methods/awpo.md).
+
+The clip: one symmetric radius per rollout batch, eps = clip_min + (1 - w_bar) (clip_max -
+clip_min) (Eq. 29), on one ratio per response (Eq. 30), taken in its length-normalised form
+exp(mean log-ratio) (algo.loss.ratio_level="sequence"). The radii are on that ratio's scale:
+clip_max=4e-4 (GSPO's upper radius for this ratio, arXiv 2507.18071 §5.1) and clip_min=2e-4
+(the 1:2 spread of the token-ratio defaults 0.1 / 0.2). No algo.loss.clip_eps_* is set:
+AWPO's radius is the only one, and the run config refuses them. Two minibatches per rollout
+batch, so the second update sees a ratio other than 1 and the clip can act.
 
 Command: python launch/train.py --config=configs/awpo.py --workdir=/tmp/awpo
-Ablations: :group=8 ; :runlocal. Needs `pip install --no-deps bfcl-eval` for the eval split.
+Ablations: :group=8 ; :fixed_clip (the paper's "w/o dynamic clipping", Table 5: the fixed
+radius clip_max) ; :runlocal. Needs `pip install --no-deps bfcl-eval` for the eval split.
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy (BFCL AST rule) on the bundled BFCL files (not yet measured).
 
@@ -18,7 +27,7 @@ The reasoning reward (leaf channel "reasoning", logged as reward/reasoning_mean)
     (or --config.judge.kind=llm --config.judge.base_url=... --config.judge.model=...; the
     token, if any, is read from $OPENAI_API_KEY, see config.judge.api_key_env). A judgement
     that still fails after its retries leaves that leaf without a score, and its group trains
-    on the outcome alone (spec §7 E12; awpo/frac_judge_missing, judge/failures).
+    on the outcome alone (awpo/frac_judge_missing, judge/failures).
 """
 
 from configs import common
@@ -26,10 +35,14 @@ from configs import common
 
 def get_config(arg=None):
   arg = common.parse_arg(arg, **{**common.COMMON_ARGS, "task": "bfcl"}, group=4,
-                         judge="rubric", judge_url="", judge_model="")
+                         judge="rubric", judge_url="", judge_model="", fixed_clip=False)
   c = common.base_config()
   c.algo.estimator = "awpo"
-  c.algo.loss = dict(ratio_level="sequence", clip_eps_low=3e-4, clip_eps_high=4e-4)
+  # Radii of the length-normalised sequence ratio (Eq. 29's clip_min / clip_max).
+  c.algo.estimator_kwargs = (dict(dynamic_clip=False, clip_max=4e-4) if arg.fixed_clip
+                             else dict(clip_min=2e-4, clip_max=4e-4))
+  c.algo.loss = dict(ratio_level="sequence")
+  c.algo.num_minibatches = 2  # one update per batch keeps the ratio at 1: no clip would act
   c.rollout.strategy = "flat"
   c.rollout.samples_per_task = arg.group
   c.judge.kind = arg.judge

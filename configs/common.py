@@ -42,7 +42,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.task = dict(family="toolworld", kwargs={}, num_train_tasks=256, num_eval_tasks=32, seed=0)
   c.rollout = dict(engine="jax", strategy="flat", strategy_kwargs={}, samples_per_task=4,
                    max_turns=0, max_new_tokens=160, temperature=1.0, top_p=1.0, top_k=0,
-                   max_context_tokens=4096, cache_rows=16, vllm_python="")
+                   max_context_tokens=4096, cache_rows=16, vllm_python="",
+                   dynamic_sampling=False, dynamic_sampling_extra_rounds=8)
   c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1)
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
   c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
@@ -88,6 +89,7 @@ def runlocal(c: ml_collections.ConfigDict) -> None:
   c.rollout.max_new_tokens = 8
   c.rollout.max_context_tokens = 4096
   c.rollout.cache_rows = 4
+  c.rollout.dynamic_sampling_extra_rounds = min(c.rollout.dynamic_sampling_extra_rounds, 1)
   c.prompts_per_step = 2
   c.num_steps = 2
   c.ckpt_every_steps = 1

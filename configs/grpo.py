@@ -1,4 +1,5 @@
-"""GRPO on the tool world: flat groups of independent episodes, outcome reward only.
+"""GRPO on the tool world: flat groups of independent episodes, outcome reward only
+(DeepSeekMath, arXiv 2402.03300, §4.1; docs/methods/grpo.md).
 
 Command (CPU, the default SmolLM2-135M-Instruct with LoRA):
   python launch/train.py --config=configs/grpo.py --workdir=/tmp/grpo

@@ -1,5 +1,6 @@
 """PORTool: tree rollouts with fork factor f, step rewards (max/avg rule, gamma),
-formatting rescale, A_trj + A_fork with the Theorem 3.1 weights (specs/portool.md).
+formatting rescale, A_trj + A_fork with the Theorem 3.1 weights (PORTool, arXiv 2510.26020,
+§3.2, Eqs. 2-3, Theorem 3.1, App. A-B; tree_rl's readings: docs/methods/portool.md).
 
 Command: python launch/train.py --config=configs/portool.py --workdir=/tmp/portool
 Ablations: :n=8 (trajectories per prompt) ; :surrogate=two_term (App. B: trajectory and
@@ -18,7 +19,8 @@ def get_config(arg=None):
   c.algo.loss = dict(surrogate=arg.surrogate)
   c.rollout.strategy = "portool"
   c.rollout.samples_per_task = arg.n
-  c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=5)  # f = 2, T_max = 5 (spec §3.4)
+  # f = 2 (docs/methods/portool.md#fork-factor-and-selection), T_max = 5 (PORTool §3.2).
+  c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=5)
   c = common.apply_common_args(c, arg)
   if arg.runlocal:
     c.rollout.strategy_kwargs = dict(fork_factor=2, t_max=2)

@@ -1,5 +1,6 @@
 """TRACE-style training on multi-hop search QA: tree-structured groups optimised with
-TreeRPO (sibling z-scores of backed-up means) (specs/trace.md).
+TreeRPO (sibling z-scores of backed-up means): TRACE, arXiv 2606.11119, §4.1-4.4 and
+Eqs. 45-47 (TreeRPO, arXiv 2506.05183); tree_rl's readings: docs/methods/trace.md.
 
 Roots and prefixes are allocated from a learned success predictor (the paper's): a
 small value model over the serialized prefix tokens, trained online by MSE on the

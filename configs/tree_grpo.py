@@ -1,4 +1,6 @@
-"""Tree-GRPO's advantage (intra- plus inter-subtree z-scores) on the tool world.
+"""Tree-GRPO's advantage (intra- plus inter-subtree z-scores) on the tool world (Tree-GRPO,
+arXiv 2509.21240, as TRACE, arXiv 2606.11119, restates it in Eqs. 48-49;
+docs/methods/grpo.md#tree-grpo-intra-group).
 
 Command: python launch/train.py --config=configs/tree_grpo.py --workdir=/tmp/tree_grpo
 Ablations: :runlocal.

@@ -1,6 +1,8 @@
-"""End to end: every config's `runlocal` preset through `train_and_evaluate`, resume after
-SIGKILL, profiling, and startup validation."""
+"""End to end: every config's `runlocal` preset through `train_and_evaluate` (and the
+per-step logs each method writes), DAPO's dynamic sampling on controlled rewards, resume
+after SIGKILL, profiling, and startup validation."""
 
+import collections
 import importlib
 import json
 import pathlib
@@ -14,6 +16,7 @@ import pytest
 
 from tree_rl import train
 from tree_rl.checkpoint import RunCheckpointer
+from tree_rl.envs.base import Outcome
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,13 +38,30 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   arg = ",".join(filter(None, ["runlocal", SMOKE_ARGS.get(name)]))
   out = train.train_and_evaluate(_config(name, arg), str(tmp_path))
   assert out["steps"] == 2
-  # APPO branches and updates per mini-batch: two updates a step.
-  assert int(out["state"].step) == (4 if name == "apppo" else 2)
   assert {"base", "rl"} <= set(out["eval"])
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [r for r in rows if "reward/outcome_mean" in r]
   assert [r["step"] for r in steps] == [1, 2]
-  assert all(np.isfinite(r["loss"]) for r in steps)
+  # DAPO's dynamic sampling (configs/dapo.py) skips the update of a step without a mixed
+  # group (likely with a random model, whose episodes all end truncated at -1), and says so.
+  skipped = [r.get("rollout/dynamic_sampling/update_skipped", 0.0) == 1.0 for r in steps]
+  assert all(("loss" not in r) if s else np.isfinite(r["loss"]) for r, s in zip(steps, skipped))
+  # APPO branches and updates per mini-batch: two updates a step.
+  assert int(out["state"].step) == (4 if name == "apppo" else 2 - sum(skipped))
+  if name == "dapo":
+    for r in steps:
+      assert r["rollout/dynamic_sampling/extra_rounds"] <= 1  # runlocal's bound
+      assert r["rollout/dynamic_sampling/bound_hit"] == float(
+          r["rollout/dynamic_sampling/groups"] < 2)
+  if name == "apppo":  # the Branching Score logs of both mini-batches' branching
+    for r in steps:
+      assert 0.0 <= r["appo/fallback_frac"] <= 1.0
+      assert 0.0 <= r["appo/bs_both_positive_frac"] <= 1.0
+  if name == "trace":  # TRACE eq. 21 and the predictor's ranking (NaN while it is constant)
+    for r in steps:
+      assert 0.0 <= r["trace/effective_ratio"] <= 1.0
+      rho = r["trace/predictor_spearman"]
+      assert rho == "nan" or -1.0 <= rho <= 1.0
   if name == "awpo":  # configs/awpo.py's rubric judge scores every leaf (channel "reasoning")
     for r in steps:
       assert r["reward/reasoning_missing_frac"] == 0.0
@@ -57,8 +77,77 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   assert any((tmp_path / "tensorboard").iterdir())
 
 
+class _FlipWorld:
+  """The tool world with controlled outcomes on its training split: the group of an
+  even-indexed training task is mixed (its leaves score 0, 1, 0, ... in turn), that of an
+  odd-indexed one all 0. Evaluation keeps the tool world's verifier."""
+
+  def __init__(self, inner):
+    self.inner, self.index, self.scored = inner, {}, collections.Counter()
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+  def generate(self, split, num_tasks, seed):
+    tasks = self.inner.generate(split, num_tasks, seed)
+    if split == "train":
+      self.index = {t.task_id: i for i, t in enumerate(tasks)}
+    return tasks
+
+  def score(self, task, episode, truncated):
+    if task.task_id not in self.index:
+      return self.inner.score(task, episode, truncated)
+    mixed = self.index[task.task_id] % 2 == 0
+    reward = float(self.scored[task.task_id] % 2) if mixed else 0.0
+    self.scored[task.task_id] += 1
+    return Outcome(reward, correct=reward > 0, answered=True)
+
+
+def test_dynamic_sampling_trains_on_mixed_groups_from_extra_rollouts(tmp_path, monkeypatch):
+  """DAPO §3.2 in the trainer. 2 prompts a step, 2 leaves a group; data order 0, 1, 2, ...
+  with the even tasks mixed. Step 1 rolls 0, 1 (1 flat), then 2: trains on 0 and 2. Step 2
+  rolls 3, 4 (3 flat), then 5 (flat), then 6: trains on 4 and 6 after 2 extra rounds (the
+  bound). Step 2 is a second `train_and_evaluate` call that resumes from step 1's
+  checkpoint, so it starts at data position 3: the checkpoint counts every prompt consumed."""
+  make_family, pack, packed = train.make_family, train._pack, []
+
+  def pack_spy(trees, *args, **kwargs):  # the trees each update trains on, by data index
+    packed.append([int(t.meta["task_id"].rsplit("/", 1)[1]) for t in trees])
+    return pack(trees, *args, **kwargs)
+
+  monkeypatch.setattr(train, "make_family", lambda name, **kw: _FlipWorld(make_family(name, **kw)))
+  monkeypatch.setattr(train, "_pack", pack_spy)
+  c = _config("dapo", "runlocal,steps=1")
+  c.rollout.dynamic_sampling_extra_rounds = 2
+  ids = [t.task_id for t in _FlipWorld(make_family("toolworld", **c.task.kwargs)).generate(
+      "train", c.task.num_train_tasks, c.task.seed)]
+  assert [int(i.rsplit("/", 1)[1]) for i in ids] == list(range(len(ids)))  # ids = data order
+  first = train.train_and_evaluate(c, str(tmp_path))
+  c.num_steps = 2
+  second = train.train_and_evaluate(c, str(tmp_path))
+  assert packed == [[0, 2], [4, 6]]  # the update saw only mixed groups
+  p = "rollout/dynamic_sampling/"
+  want = {1: {"keep_frac": 2 / 3, "extra_rounds": 1.0, "extra_prompts": 1.0, "bound_hit": 0.0,
+              "groups": 2.0, "update_skipped": 0.0},
+          2: {"keep_frac": 2 / 4, "extra_rounds": 2.0, "extra_prompts": 2.0, "bound_hit": 0.0,
+              "groups": 2.0, "update_skipped": 0.0}}
+  # Rewards over every leaf rolled out, the dropped groups' included: 2 of 6, then 2 of 8.
+  outcome = {1: 2 / 6, 2: 2 / 8}
+  rows = [r for r in first["history"] + second["history"] if "loss" in r]
+  assert [r["step"] for r in rows] == [1, 2] and int(second["state"].step) == 2
+  for r in rows:
+    assert {k: r[p + k] for k in want[r["step"]]} == pytest.approx(want[r["step"]])
+    assert r["reward/outcome_mean"] == pytest.approx(outcome[r["step"]])
+    # DAPO's own filter on the update's batch: every group kept, none without spread.
+    assert r["adv/keep_frac"] == 1.0 and r["adv/zero_std_frac"] == 0.0
+    assert np.isfinite(r["loss"]) and r["l2_grads"] > 0
+  ck = RunCheckpointer(tmp_path / "checkpoints")
+  assert ck.manager.restore(2)["meta"]["data_position"] == 7
+  ck.close()
+
+
 def test_awpo_with_an_unreachable_llm_judge_trains_on_the_outcome(tmp_path):
-  """Spec §7 E12 end to end: every judgement fails (nothing listens on port 9), so no leaf
+  """AWPO's missing judge score (docs/methods/awpo.md) end to end: every judgement fails (nothing listens on port 9), so no leaf
   gets a "reasoning" score, AWPO gives every group w = 0 (the outcome-only advantage) and
   the run goes on with a finite loss."""
   c = _config("awpo", "runlocal,steps=1,judge=llm,judge_url=http://127.0.0.1:9/v1,"
@@ -167,6 +256,9 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: c.judge.update(kind="gpt"), r"judge.kind='gpt'; valid values: \['', 'llm', "),
     (lambda c: c.judge.update(kind="llm"), "needs config.judge.base_url"),
     (lambda c: c.algo.update(estimator="awpo"), "set config.judge.kind='rubric'"),
+    (lambda c: c.rollout.update(dynamic_sampling_extra_rounds=-1), "extra_rounds=-1 must be"),
+    (lambda c: (c.rollout.update(strategy="appo", dynamic_sampling=True),
+                c.algo.update(num_minibatches=2)), "branch_timing='per_step'"),
 ])
 def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
   c = _config("grpo")
@@ -238,7 +330,7 @@ def test_attention_fitter_picks_the_tightest_ladder_bound():
 
   from tree_rl.algos import ppo
   from tree_rl.models import Decoder, ModelConfig
-  from tree_rl.models.attention import AttentionConfig, max_visible_blocks
+  from tree_rl.models.attention import KV_LADDER, AttentionConfig, max_visible_blocks
   from tree_rl.models.logprobs import tree_logprobs
   from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
 
@@ -256,7 +348,7 @@ def test_attention_fitter_picks_the_tightest_ladder_bound():
   fitted = fit(state, batch)
   bound = fitted.model().attention_config.max_kv_blocks
   need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 32)
-  ladder = train._KV_LADDER
+  ladder = KV_LADDER
   assert bound in ladder and bound >= need and ladder[ladder.index(bound) - 1] < need
   assert bound < 16  # the pairs of different branches are skipped
   np.testing.assert_allclose(np.asarray(tree_logprobs(fitted.model(), batch)[0]),

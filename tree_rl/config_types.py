@@ -5,7 +5,7 @@ Every section is a frozen dataclass whose `__post_init__` validates it; a key
 that is not a field fails with the list of valid keys, and names that come from
 a registry (advantage estimators, task families, branching strategies) fail
 with the registered names. Library code takes these dataclasses, never the
-ConfigDict (STYLE.md P3).
+ConfigDict.
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from tree_rl.algos import registry
+from tree_rl.algos.awpo import AWPOConfig
+from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
-from tree_rl.envs import FAMILIES
+from tree_rl.envs import FAMILIES, make_family
 from tree_rl.rewards.judge import JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.strategies import STRATEGIES
@@ -112,8 +114,20 @@ class RolloutSpec:
   max_context_tokens: int = 4096
   cache_rows: int = 16
   vllm_python: str = ""  # the interpreter that has vllm (its own virtualenv on CPU)
+  # DAPO's dynamic sampling (arXiv 2503.14476 §3.2): a group whose leaf rewards are all
+  # equal is dropped and the next prompts of the data order are rolled out in its place,
+  # for at most `dynamic_sampling_extra_rounds` extra rounds a step
+  # (tree_rl.rollout.dynamic_sampling). Any method; configs/dapo.py turns it on.
+  dynamic_sampling: bool = False
+  dynamic_sampling_extra_rounds: int = 8
 
   def __post_init__(self):
+    if not isinstance(self.dynamic_sampling, bool):
+      raise ValueError(f"config.rollout.dynamic_sampling={self.dynamic_sampling!r} must be a bool")
+    rounds = self.dynamic_sampling_extra_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+      raise ValueError(f"config.rollout.dynamic_sampling_extra_rounds={rounds!r} must be an "
+                       f"int >= 0 (0: drop the flat groups, roll out nothing more)")
     _choice("rollout", "engine", self.engine, ENGINES)
     _choice("rollout", "strategy", self.strategy, STRATEGIES)
     if self.strategy == "trace":  # the success predictor, by name (built by the trainer)
@@ -127,6 +141,43 @@ class RolloutSpec:
     if self.max_context_tokens < self.max_new_tokens + 1:
       raise ValueError(f"config.rollout.max_context_tokens={self.max_context_tokens} must exceed "
                        f"max_new_tokens={self.max_new_tokens}")
+
+
+# DAPO's overlong lengths, derived from the run's response budget unless set (estimator_config).
+_DAPO_LENGTH_FIELDS = ("max_response_tokens", "overlong_buffer_tokens")
+# Strategies whose forks resume inside a sampled step (`Forest.branch_at` at a token position):
+# the forked step is the kept prefix plus up to max_new_tokens new tokens, so the per-step cap
+# does not bound a path's policy tokens and only the context window does.
+_MID_STEP_FORK_STRATEGIES = ("appo", "random")
+
+
+def _check_awpo_clip(kwargs: Mapping[str, Any], loss_values: Mapping[str, Any],
+                     loss: LossConfig) -> None:
+  """AWPO's batch radius (Eq. 29) is the one clip radius of an AWPO run, on both sides of the
+  clip (Eq. 30): a configured radius it would override, or one it never reads, fails here.
+  docs/methods/awpo.md#settings-awpo-refuses gives the choice and the radius scales."""
+  for name in ("clip_eps_low", "clip_eps_high"):
+    if name in loss_values:
+      raise ValueError(
+          f"config.algo.loss.{name}={loss_values[name]!r} would never act: with "
+          f"algo.estimator='awpo' both sides of the clip use AWPO's batch radius (Eq. 29), "
+          f"which lies in [algo.estimator_kwargs.clip_min, clip_max]; set those instead "
+          f"(or dynamic_clip=False and clip_max for a fixed radius) and remove {name}")
+  dynamic = kwargs.get("dynamic_clip", True)
+  if not dynamic and "clip_min" in kwargs:
+    raise ValueError("config.algo.estimator_kwargs.clip_min has no effect with "
+                     "dynamic_clip=False (the fixed radius is clip_max); remove it")
+  if loss.ratio_level == "sequence":
+    missing = [n for n in (("clip_min", "clip_max") if dynamic else ("clip_max",))
+               if n not in kwargs]
+    if missing:
+      defaults = AWPOConfig()
+      raise ValueError(
+          f"config.algo.estimator_kwargs: set {missing} for algo.loss.ratio_level='sequence'. "
+          f"AWPOConfig's defaults (clip_min={defaults.clip_min}, clip_max={defaults.clip_max}) "
+          f"are PPO radii for token ratios; a length-normalised sequence ratio stays far closer "
+          f"to 1 and would never reach them (configs/awpo.py uses 2e-4 and 4e-4, see "
+          f"docs/methods/awpo.md#radius-scale)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +198,14 @@ class AlgoSpec:
       raise ValueError(f"config.algo.loss.surrogate='two_term' clips PORTool's trajectory and "
                        f"fork terms separately; it needs algo.estimator='portool', not "
                        f"{self.estimator!r}")
+    if self.estimator == "awpo":
+      _check_awpo_clip(self.estimator_kwargs, self.loss, loss)
+    kw = self.estimator_kwargs
+    if self.estimator == "dapo" and not kw.get("overlong_shaping", True):
+      unused = sorted(set(kw) & set(_DAPO_LENGTH_FIELDS + ("overlong_penalty",)))
+      if unused:
+        raise ValueError(f"config.algo.estimator_kwargs: {unused} have no effect with "
+                         f"overlong_shaping=False; remove them")
     _positive("algo", num_epochs=self.num_epochs, num_minibatches=self.num_minibatches)
 
   def loss_config(self) -> LossConfig:
@@ -189,7 +248,8 @@ class JudgeSpec:
   kind: "" (none), "rubric" (offline rules against the task's oracle trajectory,
   `tree_rl.rewards.rubric`) or "llm" (`LLMJudge` at an OpenAI-compatible `base_url`
   serving `model`; the other fields are its JudgeConfig's). A judge call that fails
-  after its retries leaves the leaf without a score (AWPO's E12), never stops the run.
+  after its retries leaves the leaf without a score (its group then falls back to the
+  outcome alone, docs/methods/awpo.md), never stops the run.
   """
 
   kind: str = ""
@@ -251,6 +311,64 @@ class RunConfig:
           "config.algo.estimator='awpo' needs a reasoning judge for R_reason: set "
           "config.judge.kind='rubric' (offline, graded against the task's oracle) or 'llm' "
           "with config.judge.base_url and config.judge.model (configs/awpo.py sets 'rubric')")
+    self.estimator_config()  # DAPO's overlong lengths must be able to fire in this run
+
+  def max_turns(self) -> int:
+    """Assistant steps an episode can take in this run, by the agent loop's rule: PORTool's
+    strategy sets its own t_max; else rollout.max_turns, where 0 means the family's limit."""
+    r = self.rollout
+    if r.strategy == "portool":  # PORToolStrategy.grow replaces the loop's limit with t_max
+      return int(r.strategy_kwargs.get("t_max", STRATEGIES["portool"].t_max))
+    if r.max_turns:
+      return r.max_turns
+    return make_family(self.task.family, **self.task.kwargs).max_turns
+
+  def response_budget(self) -> int:
+    """The most policy tokens one root-to-leaf path can hold in this run: max_turns() steps of
+    at most rollout.max_new_tokens each, capped by rollout.max_context_tokens (the prompt and
+    tool replies share that window, so the cap is an upper bound). With a strategy that forks
+    inside a step (APPO, random) only the window bounds a path."""
+    return self._response_budget()[0]
+
+  def _response_budget(self) -> tuple[int, str]:
+    """(response_budget, how it arises, for error messages)."""
+    r = self.rollout
+    window = f"rollout.max_context_tokens={r.max_context_tokens}"
+    if r.strategy in _MID_STEP_FORK_STRATEGIES:
+      return r.max_context_tokens, f"{window}; strategy {r.strategy!r} forks inside steps"
+    turns = self.max_turns()
+    steps = f"{turns} turn(s) x rollout.max_new_tokens={r.max_new_tokens}"
+    if turns * r.max_new_tokens <= r.max_context_tokens:
+      return turns * r.max_new_tokens, f"{steps}, within {window}"
+    return r.max_context_tokens, f"{window}, below {steps}"
+
+  def estimator_config(self) -> Any:
+    """The advantage estimator's config: algo.estimator_kwargs over the estimator's defaults,
+    with DAPO's overlong lengths fitted to this run (arXiv 2503.14476 §3.4, Eq. 13; DAPOConfig;
+    docs/methods/dapo.md#overlong-lengths-from-the-response-budget): unless set,
+    L_max = min(20480, response_budget()) and L_cache = L_max * 4096 / 20480. A set length
+    whose penalty could never fire here (L_max - L_cache >= the budget) fails, naming the
+    field."""
+    kwargs = dict(self.algo.estimator_kwargs)
+    if self.algo.estimator != "dapo" or not kwargs.get("overlong_shaping", True):
+      return registry.make_config(self.algo.estimator, **kwargs)
+    budget, how = self._response_budget()
+    kwargs.setdefault("max_response_tokens", min(PAPER_MAX_RESPONSE_TOKENS, budget))
+    try:
+      cfg = registry.make_config("dapo", **kwargs)
+    except ValueError as e:
+      raise ValueError(f"config.algo.estimator_kwargs: {e} (this run's response budget is "
+                       f"{budget} policy tokens: {how})") from None
+    start = cfg.max_response_tokens - cfg.overlong_buffer_tokens
+    if start >= budget:
+      named = [f for f in _DAPO_LENGTH_FIELDS if f in self.algo.estimator_kwargs]
+      raise ValueError(
+          f"config.algo.estimator_kwargs.{' and '.join(named)}: DAPO's overlong penalty starts "
+          f"after L_max - L_cache = {cfg.max_response_tokens} - {cfg.overlong_buffer_tokens} = "
+          f"{start} policy tokens, but a root-to-leaf path in this run holds at most {budget} "
+          f"({how}), so it could never fire; lower it, or leave it unset to derive it from "
+          f"the budget")
+    return cfg
 
   @classmethod
   def from_config_dict(cls, config: Any) -> "RunConfig":

@@ -9,7 +9,7 @@ an optional SFT warm start trains on the family's oracle trajectories, masked
 exactly like RL. Held-out accuracy is measured on the base model, after SFT and
 after RL, and the three are printed as a table at the end.
 
-The sections below keep the same banners in every trainer (STYLE.md P7).
+The sections below keep the same banners in every trainer.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from absl import logging
 from flax import nnx
 
 from tree_rl import metrics as metrics_lib
-from tree_rl.algos import ppo, registry, sft
+from tree_rl.algos import ppo, sft
+from tree_rl.algos.trace import effective_ratio
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.config_types import ModelSpec, RunConfig
 from tree_rl.envs import make_family
@@ -35,6 +36,7 @@ from tree_rl.evaluate import evaluate
 from tree_rl.models import Decoder, LoRAConfig, ModelConfig
 from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
+from tree_rl.rollout import dynamic_sampling
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
 from tree_rl.rollout.jax_sampler import JaxSampler
@@ -52,9 +54,12 @@ def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_de
   """(model, tokenizer) for the model section; fails before any compile when unavailable.
 
   `max_path_tokens` and `max_depth` bound a root-to-leaf path (the rollout's context
-  window and node depth); blockwise attention needs them for its static bound on
-  the key blocks one query block can see: every visible block holds an ancestor
-  token, so at most path/block + depth blocks.
+  window and node depth). They set the model's default blockwise bound on the key
+  blocks one query block sees: packing is depth-first, so those blocks hold tokens
+  of the ancestors-or-self of the block's first node, and a node of n tokens
+  touches at most ceil(n / block) + 1 blocks: ceil(path / block) + 2 depth. The
+  trainer and the APPO scorer refit the exact bound per batch (`AttentionFitter`);
+  a call with a bound too small for its batch raises (`check_attention_bound`).
   """
   from transformers import AutoTokenizer
 
@@ -74,7 +79,8 @@ def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_de
   attn = AttentionConfig()
   if spec.attention == "blockwise":
     attn = AttentionConfig(impl="blockwise", block=spec.attention_block,
-                           max_kv_blocks=-(-max_path_tokens // spec.attention_block) + max_depth)
+                           max_kv_blocks=-(-max_path_tokens // spec.attention_block)
+                           + 2 * max_depth)
   if spec.name == "tiny":
     config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
                               **dict(spec.tiny_overrides))
@@ -118,7 +124,8 @@ def _path_bounds(cfg: RunConfig) -> tuple[int, int]:
 def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
                          state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
                          key: jax.Array, timer: metrics_lib.PhaseTimer):
-  """One APPO step in the paper's order (specs/appo.md §4.2): N initial rollouts of
+  """One APPO step in the paper's order (arXiv 2606.12384, §3.2 and App. I, Algorithm 1;
+  docs/methods/appo.md#branch-timing): N initial rollouts of
   every prompt under the step's starting policy; then per mini-batch k, branch its
   prompts' rollouts with the current policy theta_k (branch points scored and
   branches sampled after the weights of update k - 1 are synced) and update on them.
@@ -231,7 +238,8 @@ def _by_system_prompt(tasks: list, n: int) -> list:
 
 def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
   """Packs the trees that have leaves (a tree can lose every episode to a full context);
-  leaf channels in `absent_as_nan` are NaN where a leaf lacks them (AWPO's E12)."""
+  leaf channels in `absent_as_nan` are NaN where a leaf lacks them (AWPO's missing judge
+  score, docs/methods/awpo.md)."""
   kept = [t for t in trees if t.leaves]
   if not kept:
     return None, len(trees)
@@ -250,38 +258,20 @@ def _buckets(trees: int) -> Buckets:
   return Buckets(tokens=TOKEN_BUCKETS, trees=(trees,))
 
 
-# Static bounds blockwise attention is compiled for: the smallest one that holds a
-# batch's visible (query block, key block) pairs is used, so a run compiles once per
-# (token bucket, bound) and a step computes little more than the visible pairs.
-_KV_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-
-
 class _AttentionFitter:
-  """Switches a TrainState's graph to the tightest blockwise bound a batch needs.
-
-  The bound is static (it sets the attention scan's length), so it lives in the
-  model's graph; each distinct bound gets its own graph (cached here) and compile.
-  A dense-attention model is left as it is.
-  """
+  """Puts a TrainState on the graph fitted to its batch's exact blockwise bound
+  (`tree_rl.models.attention.AttentionFitter`: one graph, so one compile, per bound).
+  A dense-attention model is left as it is."""
 
   def __init__(self, model: Decoder):
-    self.base = model.attention_config
-    self.graphs: dict[Any, Any] = {}
+    from tree_rl.models.attention import AttentionFitter  # noqa: PLC0415
+
+    self.fit = AttentionFitter(model)
 
   def __call__(self, state: ppo.TrainState, batch) -> ppo.TrainState:
-    from tree_rl.models.attention import max_visible_blocks  # noqa: PLC0415
-
-    if self.base.impl != "blockwise":
+    if self.fit.base.impl != "blockwise":
       return state
-    block = self.base.block
-    need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), block)
-    bound = next((m for m in _KV_LADDER if m >= need), need)
-    attn = dataclasses.replace(self.base, max_kv_blocks=min(bound, batch.tokens.shape[1] // block))
-    if attn not in self.graphs:
-      model = state.model()
-      model.attention_config = attn
-      self.graphs[attn] = nnx.split(model, ppo.trainable_filter(model), ...)[0]
-    return state.replace(graphdef=self.graphs[attn])
+    return state.replace(graphdef=self.fit.graphdef(batch))
 
 
 class _StopFlag:
@@ -337,7 +327,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   state = ppo.init_state(model, optimizer, with_ref=loss_config.kl_coef > 0)
   ppo_config = ppo.PPOConfig(
       loss=loss_config, estimator=cfg.algo.estimator,
-      estimator_config=registry.make_config(cfg.algo.estimator, **cfg.algo.estimator_kwargs),
+      estimator_config=cfg.estimator_config(),  # DAPO's overlong lengths fit to the run
       num_epochs=cfg.algo.num_epochs, num_minibatches=cfg.algo.num_minibatches,
       logprob_chunk=LOGPROB_CHUNK)
 
@@ -381,6 +371,11 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   per_minibatch = (getattr(strategy, "branch_timing", None) == "per_minibatch"
                    and cfg.algo.num_minibatches > 1)
   if per_minibatch:
+    if r.dynamic_sampling:  # a group's branches are sampled after an update: no filter before
+      raise ValueError("config.rollout.dynamic_sampling drops a group on all its rewards before "
+                       "the update, but APPO's per-minibatch branching samples a group's "
+                       "branches between updates: set rollout.strategy_kwargs.branch_timing="
+                       "'per_step' (or algo.num_minibatches=1), or dynamic_sampling=False")
     if cfg.algo.num_epochs != 1:
       raise ValueError(f"APPO's per-minibatch branching runs one PPO epoch; got "
                        f"config.algo.num_epochs={cfg.algo.num_epochs} (or set "
@@ -391,6 +386,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     minibatch_step = ppo.jit_update_step(
         dataclasses.replace(ppo_config, num_minibatches=1), optimizer)
     minibatch_buckets = _buckets(cfg.prompts_per_step // cfg.algo.num_minibatches)
+  # DAPO's dynamic sampling judges a group by the estimator's outcome channels.
+  mixed_channels = (dynamic_sampling.outcome_channels(ppo_config.estimator_config)
+                    if r.dynamic_sampling else None)
 
   def sync_weights(state) -> None:
     with timer("weight_sync"):
@@ -454,27 +452,38 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         jax.profiler.start_trace(str(workdir_path / "profile"))
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         pos = int(meta["data_position"])
-        tasks = [train_tasks[(pos + j) % len(train_tasks)] for j in range(cfg.prompts_per_step)]
-        meta["data_position"] = pos + cfg.prompts_per_step
-        # Sampling depends only on (seed, step), so a resumed run samples the same trees.
-        engine.reseed(jax.random.fold_in(base_key, step))
+        tasks_at = lambda i, n, pos=pos: [train_tasks[(pos + i + j) % len(train_tasks)]
+                                          for j in range(n)]
+        # Sampling depends only on (seed, step) (and the dynamic-sampling round), so a
+        # resumed run samples the same trees.
+        step_key = jax.random.fold_in(base_key, step)
+        reseed = lambda k, key=step_key: engine.reseed(jax.random.fold_in(key, k) if k else key)
         update_key = jax.random.fold_in(base_key, 10**6 + step)
+        row: dict[str, float] = {}
         if per_minibatch:
-          state, trees, n_empty, m = _appo_minibatch_step(
-              agent, strategy, tasks, cfg.algo.num_minibatches, state,
-              lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
+          reseed(0)
+          state, trees, _, m = _appo_minibatch_step(
+              agent, strategy, tasks_at(0, cfg.prompts_per_step), cfg.algo.num_minibatches,
+              state, lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
               lambda trees: _pack(trees, minibatch_buckets, unscored), sync_weights, update_key,
               timer)
+          got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
+                                                    cfg.prompts_per_step)
         else:
           with timer("rollout"):
-            trees = agent.rollout(tasks)
-          batch, n_empty = _pack(trees, buckets, unscored)
+            got = dynamic_sampling.rollout_step(agent, tasks_at, cfg.prompts_per_step, reseed,
+                                                mixed_channels, r.dynamic_sampling_extra_rounds)
+          batch, _ = _pack(got.train, buckets, unscored)
           m = None
+          if batch is None and mixed_channels is not None:
+            logging.warning("step %d: no mixed group after dynamic sampling; no update", step)
+          if batch is not None and r.strategy == "trace":  # TRACE eq. 21, on the trained trees
+            row["trace/effective_ratio"] = float(effective_ratio(batch))
           if batch is not None:
             with timer("update"):
               state, m = update_step(fit(state, batch), batch, update_key)
               m = jax.device_get(m)
-        row: dict[str, float] = {}
+        meta["data_position"] = pos + got.prompts  # every prompt consumed: resume stays exact
         if m is not None:
           row.update({k: float(np.asarray(v)) for k, v in m.items()})
           for k in ("loss", "l2_grads"):
@@ -483,15 +492,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         sync_weights(state)
       if prof.mode and step == prof.start_step + prof.num_steps - 1:
         jax.profiler.stop_trace()
-      leaves = [leaf for t in trees for leaf in t.leaves]
-      stats = agent.last_stats
+      # Rewards and rollout counts over every tree rolled out (dropped groups included).
+      leaves = [leaf for t in got.trees for leaf in t.leaves]
       row.update({
           "reward/outcome_mean": float(np.mean([lf.rewards["outcome"] for lf in leaves]))
           if leaves else float("nan"),
-          "rollout/truncated_frac": stats.num_truncated / max(stats.num_episodes, 1),
-          "rollout/policy_tokens": float(stats.num_policy_tokens),
-          "rollout/empty_trees": float(n_empty), **timer.pop(),
-          **getattr(strategy, "last_metrics", {})})
+          "rollout/empty_trees": float(sum(not t.leaves for t in got.trees)), **timer.pop(),
+          **got.metrics()})
       if reasoning is not None:
         row.update(reasoning.step_metrics([lf.rewards for lf in leaves]))
       meta["step"] = step

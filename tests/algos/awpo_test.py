@@ -1,4 +1,4 @@
-"""AWPO estimator: hand-computed groups (spec §2.4 fixture, §7 edge cases), ablation switches,
+"""AWPO estimator: hand-computed groups (gate fixtures and edge cases), ablation switches,
 missing judge scores, the oracle on random trees, invariances."""
 
 from __future__ import annotations
@@ -6,16 +6,20 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from configs import awpo as awpo_config
 from tests.algos import harness, ref_awpo
 from tests.strategies import TEST_BUCKETS, flat_tree, general_tree
 from tree_rl.algos import awpo, registry  # noqa: F401  (awpo import registers the estimator)
 from tree_rl.algos.awpo import AWPOConfig
+from tree_rl.algos.losses import policy_loss
 from tree_rl.algos.registry import AdvEstimator
+from tree_rl.config_types import RunConfig
 from tree_rl.tree import NodeKind, RolloutTree, pack
 
 AWPO = AdvEstimator.AWPO
@@ -81,9 +85,9 @@ R_OUT = [1.0, 1.25, 1.5, 2.0]  # mean 1.4375 (in the band), sd_out = sqrt(0.1367
 
 
 def test_constant_reasoning_gives_gate_one_half():
-  # sd_mix = sd_out = 0.36975..., so gate = sd / (2 sd + 1e-6) = 0.5 - 6.8e-7 (spec §2.4);
+  # sd_mix = sd_out = 0.36975..., so gate = sd / (2 sd + 1e-6) = 0.5 - 6.8e-7;
   # gate < eps_mix = 0.7 and mean_out = 1.4375 < 2, so w = gate; 1.2 < 1.4375 < 1.8 gives
-  # d = alpha_prio = 1.5; A_mix = A_out, so A = 1.5 * A_out (E4);
+  # d = alpha_prio = 1.5; A_mix = A_out, so A = 1.5 * A_out;
   # clip_eps = 0.1 + (1 - 0.5) * 0.1 = 0.15.
   tree = flat(R_OUT, [0.6] * 4)
   _, adv = run([tree])
@@ -99,10 +103,10 @@ def test_constant_reasoning_gives_gate_one_half():
 
 
 @pytest.mark.parametrize("reason,gate", [
-    ([0.2, 0.4, 0.6, 0.8], 0.615),  # positively correlated judge adds spread (spec §2.4)
+    ([0.2, 0.4, 0.6, 0.8], 0.615),  # positively correlated judge adds spread
     ([0.8, 0.6, 0.4, 0.2], 0.296),  # anti-correlated judge removes spread
 ])
-def test_spec_gate_fixture(reason, gate):
+def test_gate_fixture(reason, gate):
   # R_mix = [1.2, 1.65, 2.1, 2.8]: var_mix = 0.34921875, sd_mix = 0.59095, gate
   # = 0.59095 / (0.36976 + 0.59095) = 0.6151. Anti: R_mix = [1.8, 1.85, 1.9, 2.2],
   # var_mix = 0.02421875, sd_mix = 0.15562, gate = 0.15562 / 0.52538 = 0.2962.
@@ -118,7 +122,7 @@ def test_spec_gate_fixture(reason, gate):
 
 
 def test_outcome_tie_with_varying_judge_is_discarded():
-  # E2: R_out all 1.5 -> sd_out = 0, gate = sd_mix / (sd_mix + 1e-6) ~ 1 >= eps_mix, so
+  # R_out all 1.5 -> sd_out = 0, gate = sd_mix / (sd_mix + 1e-6) ~ 1 >= eps_mix, so
   # w = 0 and A = d * A_out = 0 exactly; d = alpha_prio (1.5 is in the band).
   tree = flat([1.5] * 4, [0.0, 0.2, 0.6, 1.0])
   _, adv = run([tree])
@@ -127,7 +131,7 @@ def test_outcome_tie_with_varying_judge_is_discarded():
   assert ex["w"][0] == 0.0 and ex["d"][0] == 1.5
   assert (leaf_adv(adv, 0, tree) == 0.0).all()
   assert float(ex["clip_eps"]) == pytest.approx(0.2)
-  # With the cap off (eps_mix >= 1, spec §8 A1) the judge drives the whole advantage:
+  # With the cap off (eps_mix >= 1) the judge drives the whole advantage:
   # A = d * w * A_mix with w = gate ~ 1.
   _, adv = run([tree], CONFIGS[1])
   ex = extras(adv)
@@ -137,7 +141,7 @@ def test_outcome_tie_with_varying_judge_is_discarded():
 
 
 def test_identical_rewards_give_zero():
-  # E1: sd_out = sd_mix = 0 -> gate = 0, w = 0, A = 0; the group counts w = 0 in w_bar.
+  # sd_out = sd_mix = 0 -> gate = 0, w = 0, A = 0; the group counts w = 0 in w_bar.
   tree = flat([1.0] * 5, [0.2] * 5)
   _, adv = run([tree])
   ex = extras(adv)
@@ -148,7 +152,7 @@ def test_identical_rewards_give_zero():
 
 
 def test_saturation_gate():
-  # E3: all outcomes perfect: mean_out = 2 = R_out_max -> w = 0 even with the cap off; A_out
+  # All outcomes perfect: mean_out = 2 = R_out_max -> w = 0 even with the cap off; A_out
   # = 0, so A = 0.
   tree = flat([2.0] * 4, [0.0, 0.2, 0.6, 1.0])
   _, adv = run([tree], CONFIGS[1])
@@ -164,7 +168,7 @@ def test_saturation_gate():
 
 
 @pytest.mark.parametrize("r_out,d", [
-    ([1.0, 1.0, 1.0, 1.0, 2.0], 1.0),  # mean 1.2 = tau_low: strict band, alpha_base (E16)
+    ([1.0, 1.0, 1.0, 1.0, 2.0], 1.0),  # mean 1.2 = tau_low: strict band, alpha_base
     ([2.0, 2.0, 2.0, 2.0, 1.0], 1.0),  # mean 1.8 = tau_high: alpha_base
     ([1.0, 1.5], 1.5),  # mean 1.25: inside, alpha_prio
     ([1.5, 2.0], 1.5),  # mean 1.75: inside
@@ -175,12 +179,12 @@ def test_difficulty_band_edges(r_out, d):
   tree = flat(r_out, [0.6] * len(r_out))
   _, adv = run([tree])
   assert extras(adv)["d"][0] == d
-  # Constant judge: A = d * A_out (E4).
+  # Constant judge: A = d * A_out.
   np.testing.assert_allclose(leaf_adv(adv, 0, tree), d * zscore(r_out), rtol=1e-5)
 
 
 def test_batch_clip_radius_and_padding_trees():
-  # w = [~0.5 (constant judge), 0 (E1), ~0.615 (spec fixture)], so
+  # w = [~0.5 (constant judge), 0 (no spread), ~0.615 (the gate fixture)], so
   # clip_eps = 0.1 + (1 - (0.5 + 0 + 0.615) / 3) * 0.1 ~ 0.1628. The padding tree (bucket of
   # 4 trees) must not count in w_bar and must come out as finite zeros.
   trees = [flat(R_OUT, [0.6] * 4), flat([1.0] * 3, [0.2] * 3), flat(R_OUT, [0.2, 0.4, 0.6, 0.8])]
@@ -198,7 +202,7 @@ def test_batch_clip_radius_and_padding_trees():
   nl = np.asarray(adv.node_leaf)
   assert np.isfinite(nl).all() and (nl[3:] == 0.0).all()
   # Metrics over the 3 valid groups: sd_out = 0 in one, w > 0 in two, all in the band
-  # except the E1 group (mean 1.0).
+  # except the group without spread (mean 1.0).
   m = {k: float(v) for k, v in adv.metrics.items()}
   assert m["awpo/frac_sd_out_zero"] == pytest.approx(1 / 3)
   assert m["awpo/frac_w_pos"] == pytest.approx(2 / 3)
@@ -267,7 +271,85 @@ def test_config_validation():
 
 
 # ---------------------------------------------------------------------------
-# Missing judge scores (E12)
+# The clip radius configs/awpo.py states (docs/methods/awpo.md)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg, eps", [
+    # Eq. 29 with the config's clip_min = 2e-4, clip_max = 4e-4 and this group's w_bar = 1/2
+    # (the constant-judge group above: w = gate = 1/2 - 6.8e-7): 2e-4 + 1/2 * 2e-4 = 3e-4.
+    (None, 3e-4),
+    # The "w/o dynamic clipping" ablation: the fixed radius clip_max = 4e-4.
+    ("fixed_clip", 4e-4),
+])
+def test_config_radius_clips_the_sequence_ratio(arg, eps):
+  cfg = RunConfig.from_config_dict(awpo_config.get_config(arg))
+  loss_cfg = cfg.algo.loss_config()
+  assert loss_cfg.ratio_level == "sequence"
+  # A = 1.5 z(R_OUT): negative on leaves 0, 1 (R_out 1, 1.25 < mean 1.4375), positive on 2, 3.
+  tree = flat(R_OUT, [0.6] * 4)
+  batch, adv = run([tree], cfg.estimator_config())
+  assert float(adv.extras["clip_eps"]) == pytest.approx(eps, abs=1e-9)
+  a = leaf_adv(adv, 0, tree)
+  assert (a[:2] < 0).all() and (a[2:] > 0).all()
+  # Sequence ratios r_k = exp(mean log-ratio), each on the side its advantage's clip bounds
+  # (below 1 for A < 0, above 1 for A > 0): |r - 1| = eps - 5e-5 on leaves 0 and 2 (inside
+  # the radius), eps + 5e-5 on leaves 1 and 3 (outside it, yet far inside LossConfig's
+  # default 0.2, and for the dynamic radius inside clip_max = 4e-4 as well).
+  dev = np.array([-(eps - 5e-5), -(eps + 5e-5), eps - 5e-5, eps + 5e-5])
+  node = np.asarray(batch.node_of_token)
+  delta = np.zeros(node.shape, np.float32)
+  for k, leaf in enumerate(tree.leaves):
+    delta[0][node[0] == leaf.node] = np.log1p(dev[k])  # both tokens: the mean is log r_k
+  logp = batch.behavior_logp + delta
+  grad, met = jax.grad(lambda lp: policy_loss(lp, batch, adv, loss_cfg), has_aux=True)(logp)
+  grad = np.asarray(grad)[0]
+  per_leaf = [grad[node[0] == leaf.node] for leaf in tree.leaves]
+  # Inside the radius the surrogate moves the sequence (loss = -w A r: grad sign = -sign A);
+  # outside it the clip removes the gradient exactly.
+  assert (per_leaf[0] > 1e-3).all() and (per_leaf[2] < -1e-3).all()
+  np.testing.assert_array_equal(per_leaf[1], 0.0)
+  np.testing.assert_array_equal(per_leaf[3], 0.0)
+  assert float(met["clip_frac"]) == pytest.approx(0.5, abs=1e-6)  # 2 of 4 equal sequences
+
+
+def _edited_awpo_config(edit):
+  c = awpo_config.get_config()
+  with c.unlocked():
+    edit(c)
+  return c
+
+
+@pytest.mark.parametrize("edit, message", [
+    # The settings configs/awpo.py used to carry: overridden by the Eq. 29 radius.
+    (lambda c: c.algo.loss.update(clip_eps_low=3e-4, clip_eps_high=4e-4),
+     r"config\.algo\.loss\.clip_eps_low=0\.0003 would never act"),
+    (lambda c: c.algo.loss.update(clip_eps_high=0.28), r"config\.algo\.loss\.clip_eps_high"),
+    # The token-ratio defaults (0.1, 0.2) on a length-normalised sequence ratio.
+    (lambda c: setattr(c.algo, "estimator_kwargs", {}),
+     r"set \['clip_min', 'clip_max'\] for algo\.loss\.ratio_level='sequence'"),
+    # A fixed radius is clip_max alone.
+    (lambda c: c.algo.estimator_kwargs.update(dynamic_clip=False),
+     r"estimator_kwargs\.clip_min has no effect with dynamic_clip=False"),
+])
+def test_clip_settings_awpo_would_not_use_fail_at_start_up(edit, message):
+  with pytest.raises(ValueError, match=message):
+    RunConfig.from_config_dict(_edited_awpo_config(edit))
+
+
+def test_awpo_config_presets_validate():
+  for arg in (None, "runlocal", "fixed_clip", "runlocal,fixed_clip,group=8"):
+    RunConfig.from_config_dict(awpo_config.get_config(arg))
+  # Token ratios take the estimator's PPO-scale defaults.
+  def token_ratios(c):
+    c.algo.estimator_kwargs, c.algo.loss = {}, {"ratio_level": "token"}
+
+  token = RunConfig.from_config_dict(_edited_awpo_config(token_ratios))
+  assert token.estimator_config() == AWPOConfig()
+
+
+# ---------------------------------------------------------------------------
+# Missing judge scores
 # ---------------------------------------------------------------------------
 
 
@@ -406,6 +488,6 @@ def test_degenerate_trees_are_finite():
   p2 = chain.add_node(e, NodeKind.POLICY, [4], logprobs=[-1.0])
   chain.add_leaf(p2, {"outcome": 2.0, "reasoning": 1.0})
   _, adv = run([one_leaf, chain])
-  assert (np.asarray(adv.node_leaf) == 0.0).all()  # K = 1: sd = 0, A = 0 (E6)
+  assert (np.asarray(adv.node_leaf) == 0.0).all()  # K = 1: sd = 0, A = 0
   assert all(np.isfinite(np.asarray(v)).all() for v in adv.extras.values())
   assert all(np.isfinite(float(v)) for v in adv.metrics.values())

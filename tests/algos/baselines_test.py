@@ -7,12 +7,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from configs import dapo as dapo_config
 from tests import strategies as S
 from tests.algos import harness
 from tests.algos.ref_baselines import REFERENCES
 from tree_rl import algos
 from tree_rl.algos import grpo, registry, tree_baselines  # noqa: F401  (registers)
-from tree_rl.tree import NodeKind, RolloutTree, pack
+from tree_rl.config_types import RunConfig
+from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack, structure
 
 SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -70,6 +72,101 @@ def test_dapo_overlong_penalty_hand():
   cfg = grpo.DAPOConfig(max_response_tokens=10, overlong_buffer_tokens=4, std_ddof=0)
   # All outcomes 1, lengths 6 and 8 -> shaped rewards [1, 0.5] -> z = [1, -1].
   np.testing.assert_allclose(_leaf_adv("dapo", _flat([1, 1], [6, 8]), cfg), [1, -1], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# DAPO's overlong lengths from the run's response budget (docs/methods/dapo.md)
+# ----------------------------------------------------------------------------
+
+
+def _dapo_run(**rollout) -> RunConfig:
+  """configs/dapo.py with `rollout` fields replaced, through the typed config."""
+  c = dapo_config.get_config()
+  with c.unlocked():
+    c.rollout.update(rollout)
+  return RunConfig.from_config_dict(c)
+
+
+def test_dapo_lengths_follow_the_response_budget():
+  cfg = _dapo_run()
+  # configs/dapo.py: the tool world's 6 turns x 160 new tokens = 960, inside the 4096 window.
+  assert cfg.response_budget() == 960
+  est = cfg.estimator_config()
+  # L_max = min(20480, 960); L_cache = 960 * 4096 / 20480 = 192: the penalty starts at 768.
+  assert (est.max_response_tokens, est.overlong_buffer_tokens) == (960, 192)
+  assert _dapo_run(max_turns=3).response_budget() == 3 * 160
+  assert _dapo_run(max_context_tokens=512).response_budget() == 512  # the window caps it
+  assert _dapo_run(strategy="portool").response_budget() == 5 * 160  # PORTool's t_max = 5
+  assert _dapo_run(strategy="portool", strategy_kwargs={"t_max": 2}).response_budget() == 320
+  # Forks inside a step resume with max_new_tokens more: only the window bounds a path.
+  assert _dapo_run(strategy="random").response_budget() == 4096
+  # Where the budget holds them, the paper's lengths stand: 8 x 4096 = 32768 >= 20480.
+  big = _dapo_run(max_turns=8, max_new_tokens=4096, max_context_tokens=40000)
+  est = big.estimator_config()
+  assert (est.max_response_tokens, est.overlong_buffer_tokens) == (20480, 4096)
+
+
+def _steps_tree() -> RolloutTree:
+  """Three leaves at the tool world's budget of 6 steps x 160 tokens: two share their first
+  five steps (5 x 160 = 800 policy tokens, env nodes of 2 tokens between steps), then end
+  with 160 (960 tokens: the full budget) and 64 (864) tokens; a third ends after 100."""
+  t = RolloutTree.new([1, 2])
+  node = 0
+  for _ in range(5):
+    node = t.add_node(node, NodeKind.POLICY, [3] * 160, logprobs=[-0.5] * 160)
+    node = t.add_node(node, NodeKind.ENV, [4, 5])
+  for n in (160, 64):
+    t.add_leaf(t.add_node(node, NodeKind.POLICY, [3] * n, logprobs=[-0.5] * n), {"outcome": 1.0})
+  t.add_leaf(t.add_node(0, NodeKind.POLICY, [3] * 100, logprobs=[-0.5] * 100), {"outcome": 1.0})
+  return t
+
+
+def test_dapo_config_penalises_a_response_at_its_budget():
+  est = _dapo_run().estimator_config()
+  batch, adv = harness.run("dapo", [_steps_tree()], est, buckets=Buckets.exact())
+  st = structure(batch)
+  lengths = np.asarray(st.path_policy_tokens)[0][np.asarray(st.leaf_valid)[0]]
+  leaves = [l.node for l in _steps_tree().canonical().leaves]
+  got = np.array([np.asarray(adv.node_leaf)[0, n, k] for k, n in enumerate(leaves)])
+  # Equal outcomes; R_length (Eq. 13, L_max 960, L_cache 192): 960 -> (768 - 960)/192 = -1,
+  # 864 -> -0.5, 100 -> 0. Shaped rewards [0, 0.5, 1] (mean 0.5, unbiased std 0.5) -> z -1, 0, 1.
+  want = {960: -1.0, 864: 0.0, 100: 1.0}
+  assert sorted(lengths.tolist()) == [100, 864, 960]
+  np.testing.assert_allclose(got, [want[int(n)] for n in lengths], atol=1e-5)
+  assert float(adv.metrics["reward_mean"]) == pytest.approx(0.5, abs=1e-6)
+  # The paper's defaults on the same tree: the penalty starts at 16,384 tokens, never here.
+  _, paper = harness.run("dapo", [_steps_tree()], grpo.DAPOConfig(), buckets=Buckets.exact())
+  np.testing.assert_array_equal(np.asarray(paper.node_leaf), 0.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_response_tokens=20480),
+     r"estimator_kwargs\.max_response_tokens: DAPO's overlong penalty starts after "
+     r"L_max - L_cache = 20480 - 4096 = 16384 policy tokens, but a root-to-leaf path in this "
+     r"run holds at most 960 \(6 turn\(s\) x rollout\.max_new_tokens=160"),
+    (dict(max_response_tokens=1200, overlong_buffer_tokens=200),
+     r"max_response_tokens and overlong_buffer_tokens: .* = 1000 policy tokens.*never fire"),
+    (dict(overlong_buffer_tokens=2000),
+     r"overlong_buffer_tokens=2000 must be in \(0, max_response_tokens=960\].*budget is 960"),
+    (dict(overlong_shaping=False, max_response_tokens=960),
+     r"\['max_response_tokens'\] have no effect with overlong_shaping=False"),
+])
+def test_dapo_lengths_that_cannot_fire_fail_at_start_up(kwargs, message):
+  c = dapo_config.get_config()
+  with c.unlocked():
+    c.algo.estimator_kwargs.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    RunConfig.from_config_dict(c)
+
+
+def test_dapo_explicit_lengths_that_fire_win():
+  c = dapo_config.get_config()
+  with c.unlocked():
+    c.algo.estimator_kwargs.update(max_response_tokens=1000)
+  est = RunConfig.from_config_dict(c).estimator_config()
+  # L_cache in DAPO's proportion of the set L_max: 200; the penalty starts at 800 < 960.
+  assert (est.max_response_tokens, est.overlong_buffer_tokens) == (1000, 200)
+  assert grpo.DAPOConfig().overlong_buffer_tokens == 4096  # the paper's, from the proportion
 
 
 def test_dapo_keep_mask():

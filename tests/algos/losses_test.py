@@ -346,7 +346,8 @@ def test_two_term_differs_only_on_opposite_signs_outside_the_clip():
   # Combined A = (0.5, 1.5, 1): -min(0.75, 0.6) - 1.35 - min(0.5, 0.8) = -2.45; grads
   #   (0 clipped, -1.35, -0.5).
   # Two terms: token 1: -min(1.5, 1.2) - min(-0.75, -0.6) = -0.45, grad only from the fork
-  #   part, 0.5 * 1.5 = 0.75; token 2: same signs, -1.35 as combined (I4); token 3:
+  #   part, 0.5 * 1.5 = 0.75; token 2: same signs, -1.35 as combined
+  #   (docs/methods/portool.md#surrogate-form); token 3:
   #   -min(-0.5, -0.8) - min(1.0, 1.6) = 0.8 - 1.0 = -0.2, grad -1.0. Sum -2.0.
   trj, fork = [1.0, 1.0, -1.0], [-0.5, 0.5, 2.0]
   parts = {k: jnp.asarray([0.0, *v], jnp.float32)[None, :, None]

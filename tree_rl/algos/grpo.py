@@ -7,7 +7,13 @@ of its path; a shared prefix therefore carries a different advantage in each
 sequence through it, exactly as when the leaves are flattened.
 
 Standard-deviation convention: verl computes GRPO's std with torch.std, which
-is unbiased (ddof=1); the papers do not say. ddof is a config field.
+is unbiased (ddof=1); the papers do not say. ddof is a config field
+(docs/methods/grpo.md#std-convention).
+
+Sources: GRPO, DeepSeekMath (arXiv 2402.03300), §4.1.1 Eq. 3 and the outcome-supervision
+advantage of §4.1.2; Dr.GRPO (arXiv 2503.20783), Fig. 1; DAPO (arXiv 2503.14476); RLOO
+(Ahmadian et al., arXiv 2402.14740); ARPO (Dong et al., arXiv 2507.19849). tree_rl's
+readings: docs/methods/grpo.md (DAPO's: docs/methods/dapo.md).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ class CenteredConfig:
 @dataclasses.dataclass(frozen=True)
 class ZScoreConfig(CenteredConfig):
   """Shared fields of the z-scoring estimators (GRPO, DAPO, ARPO, Tree-GRPO,
-  TreeRPO). std_ddof: NOT STATED by any of these papers; verl computes the
+  TreeRPO). std_ddof: not stated by any of these papers; verl computes the
   std with torch.std, which is unbiased (ddof=1). std_eps: verl's epsilon."""
 
   std_ddof: int = 1
@@ -69,14 +75,15 @@ def tree_zscore(
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(ZScoreConfig):
-  """GRPO (DeepSeekMath): the shared z-score fields only."""
+  """GRPO (DeepSeekMath, arXiv 2402.03300): the shared z-score fields only."""
 
 
 @register(AdvEstimator.GRPO, GRPOConfig)
 def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
   """A_k = (R_k - mean_G R) / (std_G R + eps) over the leaves of each tree.
 
-  DeepSeekMath eq. (outcome supervision): every token of rollout k gets A_k.
+  DeepSeekMath (arXiv 2402.03300) §4.1.2, outcome supervision: every token of
+  rollout k gets A_k.
   """
   st = structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)
@@ -108,7 +115,7 @@ class DrGRPOConfig(CenteredConfig):
 
 @register(AdvEstimator.DR_GRPO, DrGRPOConfig)
 def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
-  """A_k = R_k - mean_G R: no std normalisation (Dr.GRPO, "GRPO done right").
+  """A_k = R_k - mean_G R: no std normalisation (Dr.GRPO, arXiv 2503.20783, Fig. 1).
 
   The other half of Dr.GRPO, a constant (not per-sequence) length
   normaliser, is the loss aggregation `seq_mean_token_sum`.
@@ -124,26 +131,60 @@ def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
 # ----------------------------------------------------------------------------
 
 
+# DAPO's own lengths (arXiv 2503.14476, §4.1): 16,384 expected tokens plus a 4,096-token soft
+# punishment buffer, so L_max = 20,480 and L_cache / L_max = 1/5.
+PAPER_MAX_RESPONSE_TOKENS = 20480
+PAPER_OVERLONG_BUFFER_TOKENS = 4096
+
+
 @dataclasses.dataclass(frozen=True)
 class DAPOConfig(ZScoreConfig):
-  overlong_shaping: bool = True  # DAPO "soft overlong punishment"
-  max_response_tokens: int = 20480  # DAPO L_max (16,384 expected + 4,096 buffer)
-  overlong_buffer_tokens: int = 4096  # DAPO L_cache
-  overlong_penalty: float = 1.0  # scale of the length penalty (DAPO: reward -1 at L_max)
+  """DAPO (arXiv 2503.14476): GRPO z-scores of the outcome plus the soft overlong punishment
+  of §3.4, Eq. 13 (`overlong_penalty`), with L_max = max_response_tokens and L_cache =
+  overlong_buffer_tokens; |y| is the number of policy tokens on a root-to-leaf path.
+
+  The paper's L_max = 20480, L_cache = 4096 only matter where responses can reach 16,384
+  tokens. A training run does not use these defaults as they stand: `RunConfig.
+  estimator_config()` derives L_max from the run's response budget B (the most policy tokens
+  a root-to-leaf path can hold: turns x rollout.max_new_tokens, capped by
+  rollout.max_context_tokens), L_max = min(20480, B), and L_cache = L_max * 4096 / 20480
+  (rounded, >= 1), so the paper's numbers stand where B >= 20480 and the penalty always
+  starts at 4/5 of what a response can hold. A value set in algo.estimator_kwargs wins, but
+  one whose penalty could never fire (L_max - L_cache >= B) fails at start-up.
+  docs/methods/dapo.md#overlong-lengths-from-the-response-budget has the derivation.
+
+  overlong_shaping: apply R_length (False: plain GRPO rewards; the lengths must then be unset).
+  max_response_tokens: L_max; |y| > L_max gets -1.
+  overlong_buffer_tokens: L_cache; None -> round(L_max * 4096 / 20480), at least 1.
+  overlong_penalty: scale of R_length (1: the paper's, -1 at L_max); > 0.
+  """
+
+  overlong_shaping: bool = True
+  max_response_tokens: int = PAPER_MAX_RESPONSE_TOKENS
+  overlong_buffer_tokens: int | None = None
+  overlong_penalty: float = 1.0
 
   def __post_init__(self):
     super().__post_init__()
+    if self.max_response_tokens < 1:
+      raise ValueError(f"DAPOConfig.max_response_tokens={self.max_response_tokens} must be >= 1")
+    if self.overlong_buffer_tokens is None:  # DAPO's proportion, L_cache / L_max = 1/5
+      object.__setattr__(self, "overlong_buffer_tokens", max(1, round(
+          self.max_response_tokens * PAPER_OVERLONG_BUFFER_TOKENS / PAPER_MAX_RESPONSE_TOKENS)))
     if not 0 < self.overlong_buffer_tokens <= self.max_response_tokens:
       raise ValueError(
-          f"overlong_buffer_tokens={self.overlong_buffer_tokens} must be in"
+          f"DAPOConfig.overlong_buffer_tokens={self.overlong_buffer_tokens} must be in"
           f" (0, max_response_tokens={self.max_response_tokens}]"
       )
+    if not self.overlong_penalty > 0:
+      raise ValueError(f"DAPOConfig.overlong_penalty={self.overlong_penalty} must be > 0 (turn "
+                       f"the shaping off with overlong_shaping=False)")
 
 
 def overlong_penalty(
     length: Float[Array, "B K"], max_tokens: int, buffer_tokens: int
 ) -> Float[Array, "B K"]:
-  """DAPO's soft overlong punishment R_length(y).
+  """DAPO's soft overlong punishment R_length(y) (arXiv 2503.14476, §3.4, Eq. 13).
 
   0 for |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache inside the
   buffer; -1 beyond L_max. |y| counts the policy tokens of the sequence.
@@ -205,7 +246,8 @@ class RLOOConfig(CenteredConfig):
 @register(AdvEstimator.RLOO, RLOOConfig)
 def rloo_advantages(batch: TreeBatch, config: RLOOConfig) -> Advantages:
   """A_k = R_k - mean_{j != k} R_j = G/(G-1) * (R_k - mean R) (REINFORCE
-  leave-one-out, Ahmadian et al. 2024). 0 for a group of one."""
+  leave-one-out, Ahmadian et al., arXiv 2402.14740). 0 for a group of one
+  (docs/methods/grpo.md#rloo-group-of-one)."""
   st = structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)
   g = st.leaf_valid.sum(-1, keepdims=True).astype(jnp.float32)
@@ -235,11 +277,12 @@ class ARPOConfig(ZScoreConfig):
 
 @register(AdvEstimator.ARPO, ARPOConfig)
 def arpo_advantages(batch: TreeBatch, config: ARPOConfig) -> Advantages:
-  """GRPO over every leaf of the tree (ARPO, Dong et al. 2025).
+  """GRPO over every leaf of the tree (ARPO, Dong et al., arXiv 2507.19849).
 
   soft: shared-prefix tokens carry each sequence's own advantage (the loss
   then sums the copies); hard: shared tokens get the mean of the advantages
-  of the leaves below them, so every copy agrees.
+  of the leaves below them, so every copy agrees
+  (docs/methods/grpo.md#arpo-advantage-attribution).
   """
   st = structure(batch)
   r = batch.leaf_rewards(*config.reward_channels)

@@ -7,17 +7,22 @@ in which a token shared by several leaves is counted once per sequence through i
 that sequence's advantage and weight. Per token t of node n(t) and sequence k through it:
 
   r_t    = exp(logp_t - behavior_logp_t)                          (token ratio, PPO), or
-  r_k    = exp(mean_{t in k, policy} (logp_t - behavior_logp_t))  (sequence ratio, GSPO 2025)
+  r_k    = exp(mean_{t in k, policy} (logp_t - behavior_logp_t))  (sequence ratio, GSPO)
   A_tk   = node_leaf[n(t), k] * token_scale_t                     (APPO's scale; else 1)
-  term   = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)   (PPO, Schulman et al. 2017;
-                                                              eps_high > eps_low: DAPO 2025)
+  term   = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)   (PPO clip;
+                                                              eps_high > eps_low: DAPO)
   term   = min(term, -c A)  where A < 0                       (dual-clip PPO, Ye et al. 2020)
   loss   = sum_t sum_k w_k [t on k] loss_mask_t term_tk       (w_k: derived.sequence_weights)
 
-With surrogate="two_term" (PORTool App. B) the estimator's two parts of A (extras
-"trajectory_term" and "fork_term") are clipped separately and their terms added:
+Sources: PPO's clipped surrogate (arXiv 1707.06347, Eq. 7); DAPO's clip-higher (arXiv
+2503.14476, §3.1); GSPO's sequence-level ratio (arXiv 2507.18071); dual-clip PPO (Ye et al.,
+"Mastering Complex Control in MOBA Games with Deep Reinforcement Learning", AAAI 2020).
+
+With surrogate="two_term" (PORTool, arXiv 2510.26020, App. B) the estimator's two parts
+of A (extras "trajectory_term" and "fork_term") are clipped separately and their terms added:
 term = term(A_trj) + term(A_fork), which differs from term(A_trj + A_fork) only where the
-parts have opposite signs and the ratio is outside the clip range (specs/portool.md I4).
+parts have opposite signs and the ratio is outside the clip range
+(docs/methods/portool.md#surrogate-form).
 
 Exact node-level form. `term` is piecewise linear in A with its only kink at A = 0:
 
@@ -50,8 +55,11 @@ KL_ESTIMATORS = ("k1", "k3")
 SURROGATES = ("combined", "two_term")
 # Keys of the separately clipped advantage parts in Advantages.extras (portool.py).
 TWO_TERM_KEYS = ("trajectory_term", "fork_term")
-# Key of AWPO's batch clip radius in Advantages.extras (awpo.py, eq. 29): a scalar that
-# replaces both eps_low and eps_high when present.
+# Key of AWPO's batch clip radius in Advantages.extras (awpo.py; AWPO arXiv 2512.19126 Eq. 29):
+# a scalar that is the radius of both sides of the clip when present (AWPO's Eq. 30 clips
+# symmetrically at [1 - eps, 1 + eps]). The run config refuses algo.loss.clip_eps_low/high next
+# to the awpo estimator, so a configured radius never sits unused
+# (docs/methods/awpo.md#clip-radius-and-ratio).
 AWPO_CLIP_KEY = "clip_eps"
 # Log-ratios (per token, or a sequence's mean) are clamped before exp so that a stale or
 # diverged policy cannot overflow the ratio to inf (inf * 0 would turn gradients into NaN);
@@ -65,8 +73,10 @@ class LossConfig:
   seq_mean_token_mean aggregation (GRPO), no KL, no entropy bonus.
 
   clip_eps_low, clip_eps_high: the ratio is clipped to [1 - eps_low, 1 + eps_high]; a larger
-    eps_high is DAPO's clip-higher. GSPO's sequence ratios use much smaller radii (their
-    paper: 3e-4 / 4e-4); set them explicitly with ratio_level="sequence".
+    eps_high is DAPO's clip-higher. GSPO's sequence ratios use much smaller radii (GSPO,
+    arXiv 2507.18071, §5.1: 3e-4 / 4e-4); set them explicitly with ratio_level="sequence".
+    Not used with the awpo estimator, whose Eq. 29 radius (Advantages.extras["clip_eps"])
+    clips both sides; set AWPOConfig.clip_min/clip_max instead.
   dual_clip_c: None, or c > 1: for A < 0 the per-pair loss is bounded by c |A| (dual-clip PPO).
   ratio_level: "token" (PPO/GRPO) or "sequence" (GSPO/AWPO: one ratio per root-to-leaf
     sequence, the exp of the mean log-ratio of its policy tokens, clipped per sequence).
@@ -164,8 +174,8 @@ def policy_loss(
     logp: [B, L] current log-probs of the packed tokens (only loss_mask tokens are used).
     batch: the packed trees; behavior_logp [B, L] are the sampling policy's log-probs.
     adv: node_leaf [B, N, K] advantages, leaf_mask [B, K] (trained sequences), token_scale
-      [B, L] or None (ones); extras[AWPO_CLIP_KEY] (scalar), when present, replaces both
-      clip radii (AWPO eq. 29).
+      [B, L] or None (ones); extras[AWPO_CLIP_KEY] (scalar), when present, is the radius of
+      both sides of the clip in place of config.clip_eps_low/high (AWPO Eq. 29-30).
     config: LossConfig (static under jit).
     ref_logp: [B, L] reference-policy log-probs; required when kl_coef > 0.
     entropy: [B, L] per-token policy entropies; required when entropy_coef > 0.

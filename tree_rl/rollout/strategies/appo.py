@@ -1,4 +1,4 @@
-"""APPO's token-level branching (specs/appo.md §2.4-2.6, the paper's Algorithm 1).
+"""APPO's token-level branching (arXiv 2606.12384, §3.2, Eqs. 4-5, App. I Algorithm 1).
 
   1. N initial rollouts per prompt (tagged INIT), run to the end.
   2. For every initial rollout H_n, the Branching Score of each valid position i
@@ -15,10 +15,11 @@
   4. L = 1: every initial rollout gets exactly B branches, so every tree has
      exactly M = (B + 1) N leaves. L > 1 (App. E): each further loop samples
      source rollouts uniformly from the tree's rollouts (initial and branches)
-     and branches at their top-B points, with M as a hard cap (spec §2.5).
+     and branches at their top-B points, with M as a hard cap
+     (docs/methods/appo.md#budget-and-loops).
 
-Valid positions (spec §2.4 item 1): policy tokens, minus EOS / end-of-turn ids
-and, with `skip_punctuation`, tokens that decode to whitespace or punctuation.
+Valid positions (docs/methods/appo.md#valid-branch-positions): policy tokens,
+minus EOS / end-of-turn ids and, with `skip_punctuation`, tokens that decode to whitespace or punctuation.
 A rollout without a valid position (its prompt filled the context) keeps the
 budget with fresh rollouts from the prompt instead.
 
@@ -26,7 +27,8 @@ Current-policy log-probs come from `current_logprobs(trees)`, which the trainer
 supplies (`model_scorer(model)` recomputes them on the packed trees). Without
 it the behaviour log-probs and entropies recorded at sampling stand in: then
 Omega = 1, and the estimator's fallback ranks by entropy alone (what the first
-mini-batch of every step sees in the paper, spec E1).
+mini-batch of every step sees in the paper;
+docs/methods/appo.md#first-minibatch-fallback).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tree_rl.algos.appo import APPOConfig, branching_score, select_branch_points
+from tree_rl.algos.appo import (APPOConfig, branching_metrics, branching_score,
+                                select_branch_points)
 from tree_rl.rollout.branching import Branch, Forest
 from tree_rl.rollout.strategies.base import register
 from tree_rl.tree.batch import Buckets, TreeBatch, pack
@@ -81,17 +84,25 @@ def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
   calls and the jitted scorer compiles once per bucket), scored with
   `tree_rl.models.logprobs.tree_logprobs`, and mapped back from the packed
   depth-first node order (`RolloutTree.preorder`) to each tree's own indices.
-  The model is read at call time, so it follows in-place weight updates.
+  The model is read at call time, so it follows in-place weight updates. With
+  blockwise attention, each packed batch runs on the graph fitted to its exact
+  key-block bound (`AttentionFitter`), whatever static bound the model carries:
+  one compile per (bucket, bound).
   """
   from flax import nnx  # rollout code imports model code lazily
 
+  from tree_rl.models.attention import AttentionFitter
   from tree_rl.models.logprobs import tree_logprobs
 
-  graphdef = nnx.graphdef(model)
-  scored = jax.jit(lambda state, batch: tree_logprobs(nnx.merge(graphdef, state), batch))
+  fit = AttentionFitter(model)
+
+  @functools.partial(jax.jit, static_argnums=0)  # one compile per (fitted graph, bucket)
+  def scored(graphdef, state, batch):
+    return tree_logprobs(nnx.merge(graphdef, state), batch)
 
   def score(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
-    lp, ent = scored(nnx.state(model), pack(list(trees), buckets or Buckets()))
+    batch = pack(list(trees), buckets or Buckets())
+    lp, ent = scored(fit.graphdef(batch), nnx.state(model), batch)
     lp, ent = np.asarray(lp, np.float64), np.asarray(ent, np.float64)
     out = []
     for b, tree in enumerate(trees):
@@ -108,14 +119,19 @@ def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
   return score
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_points"))
+@functools.partial(jax.jit, static_argnames=("config", "num_points", "num_branches"))
 def _top_points(batch: TreeBatch, logp: Float[Array, "B L"], entropy: Float[Array, "B L"],
-                mask: Bool[Array, "B L"], config: APPOConfig,
-                num_points: int) -> Int[Array, "B K R"]:
-  """`[B, K, num_points]` top-B offsets (Eq. 5 + spec §2.4) of every INIT path of `batch`."""
+                mask: Bool[Array, "B L"], config: APPOConfig, num_points: int,
+                num_branches: int) -> tuple[Int[Array, "B K R"], dict, Int[Array, ""]]:
+  """`[B, K, num_points]` top-B offsets (Eq. 5, APPO §3.2) of every INIT path of `batch`,
+  the Branching Score logs of its top `num_branches` points (`branching_metrics`) and the
+  number of rollouts with a candidate position (the denominator of fallback_frac)."""
   score = branching_score(batch, logp, entropy, config, token_mask=mask)
-  return select_branch_points(score.bs, score.z_fut, score.z_ent, score.valid, num_points,
-                              config.bs_require_both_positive)
+  points = select_branch_points(score.bs, score.z_fut, score.z_ent, score.valid, num_points,
+                                config.bs_require_both_positive)
+  logged = dataclasses.replace(config, budget=num_branches + 1)  # n_init = 1: B = num_branches
+  n_rollouts = (score.valid.any(-1) | score.fell_back).sum()
+  return points, branching_metrics(score, logged), n_rollouts
 
 
 @register("appo")
@@ -123,15 +139,16 @@ def _top_points(batch: TreeBatch, logp: Float[Array, "B L"], entropy: Float[Arra
 class APPOStrategy:
   """Attributes:
     config: APPOConfig: n_init = N (4), budget = M (16), so B = M/N - 1 = 3
-      (STATED); fut_clip [1, 1.2], tau_half 32, bs_mode, the sign filter and
+      (APPO App. C); fut_clip [1, 1.2], tau_half 32, bs_mode, the sign filter and
       the first-minibatch fallback, shared with the advantage estimator.
     loops: L, branching loops (1 in all the paper's main experiments).
     current_logprobs: trees -> per-node current-policy log-probs and
       entropies; None uses the behaviour ones (see the module docstring).
     skip_punctuation: drop whitespace/punctuation-only tokens from the
-      candidates (spec §2.4 item 1, as the authors' code does).
+      candidates (docs/methods/appo.md#valid-branch-positions).
     seed: source sampling for L > 1.
-    branch_timing: "per_minibatch" (the paper, spec §4.2: the trainer grows the
+    branch_timing: "per_minibatch" (the paper, §3.2 and App. I; see
+      docs/methods/appo.md#branch-timing: the trainer grows the
       initial rollouts of a step's prompts under the step's starting policy, then
       branches each PPO mini-batch's prompts with the policy after the previous
       mini-batch's update) or "per_step" (the authors' public code: branch once,
@@ -152,9 +169,29 @@ class APPOStrategy:
       raise ValueError(f"APPOStrategy.branch_timing={self.branch_timing!r}; choose one of "
                        f"{BRANCH_TIMINGS}")
     self._rng = np.random.default_rng(self.seed)
+    self._logged = np.zeros(4)  # fallback (sum, count), both-positive (sum, count)
 
   def leaves_per_task(self) -> int | None:
     return self.config.budget
+
+  @property
+  def last_metrics(self) -> dict[str, float]:
+    """APPO's Branching Score logs (`tree_rl.algos.appo.branching_metrics`) over every
+    rollout branched since the last `initial` (a training step, all its mini-batches),
+    which the trainer writes each step:
+
+      appo/fallback_frac: share of the scored rollouts (with a candidate position) whose
+        clip(Omega) had ~zero std, so that config.first_minibatch_fallback applied.
+      appo/bs_both_positive_frac: share of the chosen branch points with
+        Z(clip Omega) > 0 and Z(ent) > 0 (Eq. 5's two factors both above average).
+
+    Empty until a rollout is scored.
+    """
+    fb, fb_n, both, both_n = self._logged
+    out = {"appo/fallback_frac": fb / fb_n} if fb_n else {}
+    if both_n:
+      out["appo/bs_both_positive_frac"] = both / both_n
+    return out
 
   # --------------------------------------------------------------------------
 
@@ -163,7 +200,9 @@ class APPOStrategy:
     self.branch(forest)
 
   def initial(self, forest: Forest) -> None:
-    """Step 1: N initial rollouts of every tree, run to the end."""
+    """Step 1: N initial rollouts of every tree, run to the end (a new step: the
+    Branching Score logs start over)."""
+    self._logged = np.zeros(4)
     n = self.config.n_init
     forest.run([b for t in range(len(forest.trees)) for b in forest.start(t, n)])
 
@@ -245,11 +284,18 @@ class APPOStrategy:
         [np.pad(r[j], (0, length - len(r[j]))).astype(dtype) for r in rows]
         + [np.zeros(length, dtype)] * (n_rows - len(rows)))
     # Only the scoring fields of the config and a bucketed B reach the compiled
-    # program: the first B of the top-2^k points are the top-B (spec §2.4 E4).
+    # program: the first B of the top-2^k points are the top-B
+    # (docs/methods/appo.md#too-few-branch-points). B itself sizes only the logs.
     scoring = dataclasses.replace(self.config, n_init=1, budget=1)
-    points = _top_points(batch, jnp.asarray(arr(0, np.float32)), jnp.asarray(arr(1, np.float32)),
-                         jnp.asarray(arr(2, bool)), scoring, 1 << (num_points - 1).bit_length())
-    return [[int(p) for p in row[:num_points]] for row in np.asarray(points)[:len(rows), 0, :]]
+    points, logs, n_rollouts = _top_points(
+        batch, jnp.asarray(arr(0, np.float32)), jnp.asarray(arr(1, np.float32)),
+        jnp.asarray(arr(2, bool)), scoring, 1 << (num_points - 1).bit_length(), num_points)
+    top = np.asarray(points)[:len(rows), 0, :num_points]
+    # Running sums, so the step's logs weigh every call's rollouts and points alike.
+    n_points = int((top >= 0).sum())
+    self._logged += [float(logs["fallback_frac"]) * int(n_rollouts), int(n_rollouts),
+                     float(logs.get("bs_both_positive_frac", 0.0)) * n_points, n_points]
+    return [[int(p) for p in row] for row in top]
 
   def _token_filter(self, forest: Forest) -> Callable[[int], bool]:
     if not self.skip_punctuation:

@@ -1,9 +1,9 @@
 """ARPO's entropy-based adaptive rollout (Dong et al. 2025, "Agentic Reinforced Policy
-Optimization").
+Optimization", arXiv 2507.19849).
 
-ARPO has no spec in this repository; this is our reading of the paper, with the
-knob values of its public scripts as the APPO spec records them (specs/appo.md
-§3.3: `branch_probability = 0.5`, `entropy_weight = 0.2`).
+This is our reading of the paper (docs/methods/grpo.md#arpo-rollout), with the knob values
+of its public training scripts, `branch_probability = 0.5` and `entropy_weight = 0.2` (APPO,
+arXiv 2606.12384, App. C, lists the same "threshold 0.5" and "entropy coefficient 0.2").
 
   1. Initialisation: N initial rollouts per prompt (INIT); the rest of the global
      budget, M - N, is kept for partial branches.

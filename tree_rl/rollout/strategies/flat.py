@@ -1,5 +1,8 @@
 """GRPO / DAPO sampling: n independent episodes per prompt, a depth-1 fan at the root.
 
+The group of G outputs per question of GRPO (DeepSeekMath, arXiv 2402.03300, §4.1.1) and
+of DAPO (arXiv 2503.14476).
+
 The tree is n chains under the prompt node (every leaf INIT). The n requests of
 a prompt share its context, so the engine prefills the prompt once.
 """

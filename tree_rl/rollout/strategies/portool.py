@@ -1,4 +1,4 @@
-"""PORTool's tree rollout (specs/portool.md §2.2, the paper's Algorithm 1).
+"""PORTool's tree rollout (arXiv 2510.26020, §3.2 Step 1 and App. A, Algorithm 1).
 
   for j in 1..n: sample s_{j,1} from the prompt, run its tools  # n independent first steps
   for t in 2..T_max:
@@ -8,8 +8,8 @@
   whatever is left ends at T_max (truncated)               # exactly n trajectories
 
 DupAndSamp picks n - n_c of the f (n - n_c) copies uniformly without
-replacement (the paper does not say how; spec §2.2 suggests this, which has the
-same distribution as the main text's "generate f forks, keep n - n_c"). So each
+replacement (the paper does not say how; docs/methods/portool.md#fork-factor-and-selection:
+this has the same distribution as the main text's "generate f forks, keep n - n_c"). So each
 open trajectory is kept k in {0..f} times with sum k = n - n_c: k - 1 copies
 fork from its last (env) node (a node-boundary fork, tagged BRANCH), and a
 trajectory kept 0 times is discarded; its nodes, which no leaf passes through,
@@ -33,10 +33,12 @@ from tree_rl.rollout.strategies.base import register
 @dataclasses.dataclass
 class PORToolStrategy:
   """Attributes:
-    n: trajectories per query (8, STATED).
-    fork_factor: f, copies per open trajectory before selection (NOT STATED;
-      spec §3.4 suggests 2 and a sweep over {2, 3, 4}). f = 1 gives n chains (GRPO).
-    t_max: tool-call steps per trajectory (5, STATED); overrides the loop's max_turns.
+    n: trajectories per query (8, PORTool §4.1).
+    fork_factor: f, copies per open trajectory before selection (not given in the
+      paper; docs/methods/portool.md#fork-factor-and-selection). f = 1 gives n
+      chains (GRPO).
+    t_max: tool-call steps per trajectory (5, PORTool §3.2 Step 2); overrides the
+      loop's max_turns.
     seed: DupAndSamp's selection randomness.
   """
 

@@ -1,4 +1,6 @@
-"""TRACE's two-stage rollout allocation (specs/trace.md §1.2, §1.4-1.7, §3).
+"""TRACE's two-stage rollout allocation (arXiv 2606.11119, §2.2, §4.1-4.3, Algorithm 1).
+
+tree_rl's readings where the paper is open are in docs/methods/trace.md.
 
 Stage 1, global root allocation (Eqs. 12-13). A success predictor scores every
 prompt of the call, v_i = V(x_i); `tree_rl.algos.trace.allocate_roots` solves
@@ -18,8 +20,9 @@ continuation restarts turn t + 1 from the anchor (a sibling of the factual next
 step, tagged BRANCH) and runs to the end under the loop's turn limit; it is
 never expanded again (one expansion round, App. E.5). A prompt with no anchor
 (every bare rollout ended after one turn) spends its budget on
-ceil(continuation_cost * m_i * N) extra root rollouts instead (§1.7: a
-continuation costs half a rollout; the paper leaves the conversion open).
+ceil(continuation_cost * m_i * N) extra root rollouts instead (App. E.5: a
+continuation costs half a rollout; the conversion is ours,
+docs/methods/trace.md#no-anchor-fallback).
 
 The predictor is an interface, `SuccessPredictor`: `predict(task_ids, prefixes)`
 scores prompts and turn prefixes, `update(trees)` learns from a step's finished
@@ -33,7 +36,9 @@ arrays}). Two are registered by name (`make_predictor`, `PREDICTORS`):
                 an ablation, and the default of a bare `TRACEStrategy()`).
 After the rollout the strategy calls `predictor.update(trees)` (TRACE trains the
 predictor after each step and uses it on the next) and keeps the returned
-metrics in `last_metrics`.
+metrics in `last_metrics`, with `trace/predictor_spearman`: the rank correlation
+between what the predictor said before the update and the step's realised
+success, on the examples it is trained on (roots and turn prefixes, eq. 18).
 """
 
 from __future__ import annotations
@@ -47,18 +52,39 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from tree_rl.algos.trace import allocate_prefixes, allocate_roots, flip_probability
-from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor
+from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor, supervision_examples
 from tree_rl.rollout.branching import Branch, Forest
 from tree_rl.rollout.strategies.base import register
 from tree_rl.tree.rollout_tree import RolloutTree
 from tree_rl.tree.types import LeafTag, NodeKind
 
 
+def rank_correlation(x: np.ndarray, y: np.ndarray) -> float:
+  """Spearman's rho of two [E] samples: the Pearson correlation of their ranks, tied values
+  sharing their average rank. NaN when E < 2 or either sample is constant (no ranking)."""
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  if x.shape != y.shape or x.ndim != 1:
+    raise ValueError(f"rank_correlation: two 1-D samples of one length, got {x.shape}, {y.shape}")
+
+  def ranks(v: np.ndarray) -> np.ndarray:
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(len(v), dtype=np.float64)
+    _, tie, count = np.unique(v, return_inverse=True, return_counts=True)
+    return (np.bincount(tie, weights=r) / count)[tie]
+
+  if len(x) < 2:
+    return float("nan")
+  rx, ry = ranks(x) - (len(x) - 1) / 2, ranks(y) - (len(y) - 1) / 2
+  den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+  return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
 def success(reward: float) -> float:
   """A leaf's reward as a success in [0, 1]: clip(r, 0, 1).
 
   +1/0/-1 (tool world) becomes 1/0/0, 0/1 stays, an F1 reward interpolates
-  (spec §6.1).
+  (docs/methods/trace.md#non-binary-rewards).
   """
   return float(min(max(reward, 0.0), 1.0))
 
@@ -171,14 +197,18 @@ class TRACEStrategy:
   """Attributes:
     roots_per_task: M / #prompts (2.0: the paper's M = 1024 roots for 512
       candidates, and 512 for 256).
-    continuations_per_root: N, continuation budget per root rollout (2, STATED).
+    continuations_per_root: N, continuation budget per root rollout (2, TRACE App. E.5).
     max_roots_per_task: optional cap on m_i (none in the paper).
     continuation_cost: rollouts one continuation costs, for the no-anchor
       fallback (0.5, App. E.5).
     predictor: the success predictor; None builds a RunningMeanPredictor
       (`make_predictor` builds one by name).
     update_predictor: call predictor.update(trees) after the rollout.
-    last_metrics: what the last predictor update reported (the trainer logs it).
+    last_metrics: the last rollout's predictor logs, which the trainer writes:
+      trace/predictor_spearman (`rank_correlation` of the predictor's V(H), before
+      its update, against the realised success V_hat of eq. 18 on the roots and turn
+      prefixes of the call's trees; NaN when either side is constant, e.g. the cold
+      start's 0.5 everywhere) and what `predictor.update` reported (trace/predictor_*).
   """
 
   roots_per_task: float = 2.0
@@ -229,9 +259,19 @@ class TRACEStrategy:
       if mi > 0:
         cont.extend(self._expand(forest, t, int(mi) * self.continuations_per_root))
     forest.run(cont)
+    live = [tree for tree in trees if tree.leaves]
+    logs = {"predictor_spearman": self._spearman(live)} if live else {}
     if self.update_predictor:
-      m = self.predictor.update([tree for tree in trees if tree.leaves])
-      self.last_metrics = {f"trace/{k}": float(v) for k, v in (m or {}).items()}
+      logs.update(self.predictor.update(live) or {})
+    self.last_metrics = {f"trace/{k}": float(v) for k, v in logs.items()}
+
+  def _spearman(self, trees: Sequence[RolloutTree]) -> float:
+    """The predictor's rank correlation with the realised success of `trees`' roots and
+    turn prefixes (the examples `predictor.update` fits, eq. 18)."""
+    prefixes, targets, is_root = supervision_examples(trees)
+    owner = np.cumsum(is_root) - 1  # each tree's examples start with its root
+    v = self.predictor.predict([trees[i].meta["task_id"] for i in owner], prefixes)
+    return rank_correlation(np.asarray(v), targets)
 
   def _expand(self, forest: Forest, t: int, budget: int) -> list[Branch]:
     tree = forest.trees[t]

@@ -1,8 +1,9 @@
 """Random token-position branching (TreePO-style), the control for learned branch points.
 
 TRACE's TreePO baseline samples 4 bare rollouts per prompt and branches at 2
-random points of each (specs/trace.md §4.2): the same tree-shaped update, with
-"random root and prefix allocation". Here:
+random points of each (TRACE, arXiv 2606.11119, §5.1 and App. E.4-E.5): the same
+tree-shaped update, with "random root and prefix allocation". Here (tree_rl's reading,
+docs/methods/trace.md#treepo-random-branching):
 
   1. n_init initial rollouts per prompt (INIT), run to the end;
   2. the remaining budget - n_init leaves are spread evenly over the initial
