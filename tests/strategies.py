@@ -86,7 +86,7 @@ def flat_tree(draw, outcomes=OUTCOMES, max_group=8):
 
 @st.composite
 def portool_tree(draw, outcomes=OUTCOMES, n_max=8, f_max=3, t_max_max=4):
-  """A tree grown by PORTool's Algorithm 1 (specs/portool.md §2.2).
+  """A tree grown by PORTool's Algorithm 1 (arXiv 2510.26020, App. A).
 
   Step ids are shared by copies; the tree is the trie of the final n
   trajectories (discarded ones leave no trace). A completed step (one that
@@ -139,7 +139,8 @@ def portool_tree(draw, outcomes=OUTCOMES, n_max=8, f_max=3, t_max_max=4):
 def appo_tree(draw, outcomes=(0.0, 1.0), n_init_max=4, branches_max=3):
   """N initial rollouts plus branches resampled at token positions.
 
-  Paper convention (specs/appo.md §2.6): a branch at position p shares the
+  Paper convention (APPO, arXiv 2606.12384, §3.2; docs/methods/appo.md#branch-prefix): a
+  branch at position p shares the
   initial rollout's positions < p (p = 0 shares only the prompt).
   """
   tree = RolloutTree.new(_tokens(draw, 1, 2))

@@ -1,6 +1,7 @@
 """Evaluation harness: runs a policy on a task family and reports PORTool's metrics.
 
-The metrics are PORTool's four (specs/portool.md §5) plus pass@k and a per-difficulty split:
+The metrics are PORTool's four (arXiv 2510.26020, §4.1, "Evaluation Metrics") plus pass@k
+and a per-difficulty split:
 
   - accuracy: fraction of episodes counted correct (by the verifier, or by the judge's
     majority vote when one is given);

@@ -1,4 +1,4 @@
-"""Mesh axes and logical-axis rules, declared once (STYLE P8).
+"""Mesh axes and logical-axis rules, declared once.
 
 Model code names axes only (`logical_axes` metadata on every parameter:
 "vocab", "embed", "q_heads", "kv_heads", "mlp", "layers", "norm", "lora");

@@ -1,4 +1,4 @@
-"""APPO (specs/appo.md): the §9 worked fixture, oracle agreement, invariances.
+"""APPO (arXiv 2606.12384, §3.2-3.3): a hand-worked fixture, oracle agreement, invariances.
 
 Every batch is padded to 4 trees with the TEST_BUCKETS sizes, so each jitted
 kernel compiles once per config for the whole module.
@@ -67,7 +67,7 @@ def _path(tree, leaf):
 
 
 # ----------------------------------------------------------------------------
-# §9 worked fixture
+# Hand-worked fixture: N = 2 initial rollouts, B = 2 branches each
 # ----------------------------------------------------------------------------
 
 PROMPT = [7]  # one prompt token: sequence offset = rollout position + 1
@@ -77,12 +77,12 @@ H1_LOGRHO = (0.00, 0.05, -0.02, 0.0, 0.0, 0.10, -0.08, 0.01)
 H2_POLICY = (1, 1, 1, 1, 1, 1)
 H2_ENT = (0.3, 0.5, 1.6, 0.2, 1.4, 0.1)
 H2_LOGRHO = (-0.06, -0.04, 0.05, -0.02, 0.06, -0.01)
-# name -> (parent rollout, branch position, reward); §9.3.
+# name -> (parent rollout, branch position, reward).
 BRANCHES = {"b11": ("H1", 1, 0.0), "b12": ("H1", 5, 1.0),
             "b21": ("H2", 2, 1.0), "b22": ("H2", 4, 1.0)}
 ROLLOUTS = {"H1": (H1_POLICY, 1.0, 100), "H2": (H2_POLICY, 0.0, 200)}  # mask, reward, tokens
 
-# §9.2 tables (Omega at every position; Z/BS at the model positions only).
+# Worked by hand: Omega at every position; Z/BS at the model positions only.
 OMEGA = {"H1": (1.059561, 1.060905, 1.009365, 1.030417, 1.031093, 1.031785, 0.932194, 1.010050),
          "H2": (0.976327, 1.037518, 1.081678, 1.029567, 1.051496, 0.990050)}
 Z_FUT = {"H1": (1.273420, 1.328683, -0.791851, 0.130588, -1.177172, -0.763668),
@@ -92,7 +92,7 @@ Z_ENT = {"H1": (-1.066699, 0.868243, -0.024807, 1.612452, -1.215540, -0.173649),
 BS = {"H1": (-1.358355, 1.153620, 0.019643, 0.210567, 1.430900, 0.132610),
       "H2": (0.753654, -0.044726, 2.608116, 0.108465, 0.764929, 1.146865)}
 MODEL_POS = {"H1": (0, 1, 2, 5, 6, 7), "H2": (0, 1, 2, 3, 4, 5)}
-# §9.4 base advantages at MODEL_POS, and §9.5 final advantages.
+# Base advantages at MODEL_POS per Eq. 6 reading, and the final advantages.
 BASE = {
     "literal": {"H1": (0.788675,) * 6, "H2": (-1.366025,) * 6},
     "avg_flowback": {"H1": (0.211325, 0.788675, 0.788675, 1, 1, 1),
@@ -104,7 +104,7 @@ BASE = {
 }
 FINAL = {"H1": (0.323281, 1.207030, 1.186706, 1.515892, 1.500000, 1.505025),
          "H2": (-0.316987, -0.320952, -0.325618, -0.320111, -1.525748, -1.500000)}
-# §9 has N = 2, B = 2, M = 6. n_init and budget only size the selection metric
+# The fixture has N = 2, B = 2, M = 6. n_init and budget only size the selection metric
 # (B per rollout), so the other fixture tests run the shared DEFAULT config.
 FIX_CONFIG = appo.APPOConfig(n_init=2, budget=6)
 
@@ -128,7 +128,7 @@ def _add_rollout(tree, mask, cuts, tok0):
 
 
 def fixture_tree(inclusive: bool = False) -> tuple[RolloutTree, dict[str, int]]:
-  """The §9 tree (canonical order) and each rollout's leaf index.
+  """The fixture tree (canonical order) and each rollout's leaf index.
 
   Paper convention: the branch at p is a sibling of the node starting at p.
   `inclusive` hangs it one position later (the public code's prefix H_{<=p}).
@@ -155,7 +155,7 @@ def fixture_tree(inclusive: bool = False) -> tuple[RolloutTree, dict[str, int]]:
 
 
 def fixture_inputs(tree, names, batch):
-  """Current logp (behaviour + log rho) and entropy at the §9.1 positions.
+  """Current logp (behaviour + log rho) and entropy at the fixture's positions.
 
   Every other token (prompt, tool output, branch tokens) gets absurd values
   (logp = behaviour + 30, entropy 1e3) that must never reach H1's or H2's Omega
@@ -201,7 +201,7 @@ def test_fixture_future_value(fixture):
   omega = np.asarray(_future(batch, logp, DEFAULT))
   for h in ("H1", "H2"):
     np.testing.assert_allclose(omega[0, _seq(tree, names, h)], OMEGA[h], atol=1e-5)
-  # Hand checks of §9.2.
+  # Hand checks of the Omega table.
   g = 2 ** (-1 / 32)
   assert math.isclose(OMEGA["H1"][6], math.exp(-0.08 + g * 0.01), abs_tol=1e-6)
   # Shared prompt, branch-only tokens and padding trees: Omega = 1.
@@ -225,7 +225,8 @@ def test_fixture_branching_score(fixture):
   for name in ("b11", "b12", "b21", "b22"):
     assert not np.asarray(score.valid[0, names[name]]).any()
     assert not np.asarray(score.bs[0, names[name]]).any()
-  # An extra candidate filter (e.g. punctuation, spec §2.4 item 1) removes H1 position 1.
+  # An extra candidate filter (e.g. punctuation, docs/methods/appo.md#valid-branch-positions)
+  # removes H1 position 1.
   token_mask = np.ones(batch.tokens.shape, bool)
   token_mask[0, _seq(tree, names, "H1")[1]] = False
   score = _score(batch, logp, entropy, DEFAULT, token_mask)
@@ -260,7 +261,8 @@ def test_fixture_selection(fixture):
   for name in ("b11", "b12", "b21", "b22"):
     assert strict[0, names[name]].tolist() == [-1, -1]
   assert (strict[1:] == -1).all()
-  # E4: more branches than valid positions repeat the best ones cyclically.
+  # More branches than valid positions repeat the best ones cyclically
+  # (docs/methods/appo.md#too-few-branch-points).
   many = _points(score, True, nb=8)
   # Both-positive {1, 5}, then the rest by raw BS (6, 7, 2, 0), then cycle.
   assert (many[0, names["H1"]] - off).tolist() == [1, 5, 6, 7, 2, 0, 1, 5]
@@ -286,7 +288,7 @@ def test_fixture_first_minibatch(fixture):
   assert float(m["fallback_frac"]) == 1.0  # rollouts skipped for the fallback still count
   assert float(m["bs_both_positive_frac"]) == 0.0  # no branch point at all
   adv = _run(batch, DEFAULT, logp, entropy)
-  # A = 1.5 A_base (E1): Omega == 1 on every model token of H1 and H2.
+  # A = 1.5 A_base (first mini-batch): Omega == 1 on every model token of H1 and H2.
   ts = np.asarray(adv.token_scale[0])
   for h in ("H1", "H2"):
     seq = _seq(tree, names, h)
@@ -346,7 +348,7 @@ def test_fixture_pooled_ablation(fixture):
     adv = _run(batch, config, logp, entropy)
     if mode == "literal":  # both baselines pooled: 1/2 (z + z) = z
       want = {"H1": [zp["H1"]] * 6, "H2": [zp["H2"]] * 6}
-    else:  # same coverage as §9.4, pooled z-scores
+    else:  # same coverage as the fixture, pooled z-scores
       h1_0 = 0.5 * (zp["H1"] + 0.5 * (zp["b11"] + zp["b12"]))
       h1_1 = 0.5 * (zp["H1"] + zp["b12"])
       h2_0 = 0.5 * (zp["H2"] + 0.5 * (zp["b21"] + zp["b22"]))
@@ -384,7 +386,7 @@ def test_fixture_final_advantage_and_metrics(fixture):
   assert float(bm["fallback_frac"]) == 0.0
   assert float(bm["bs_both_positive_frac"]) == 1.0  # strict picks {1, 5} and {2, 4}
   assert m["z_init_zero_std_rate"] == 0.0 and m["z_branch_zero_std_rate"] == 0.0
-  assert m["coverage_mean"] == pytest.approx(10 / 12)  # §9.4 coverage counts
+  assert m["coverage_mean"] == pytest.approx(10 / 12)  # the fixture's coverage counts
   assert m["reward_mean_init"] == pytest.approx(0.5)
   assert m["reward_mean_branch"] == pytest.approx(0.75)
   np.testing.assert_allclose(np.asarray(adv.extras["omega"]),
@@ -454,7 +456,8 @@ def test_future_value_matches_decay_matrix(exact):
 
 @pytest.mark.parametrize("log_rho", [2.0, -2.0])
 def test_future_value_clamps_log_sum(log_rho):
-  """60 tokens of log rho = +-2 sum to ~+-66 near the start: clamped to +-20 (E15)."""
+  """60 tokens of log rho = +-2 sum to ~+-66 near the start: clamped to +-20
+  (docs/methods/appo.md#future-value-clamp)."""
   tree = _single([[(P, 30), (E, 5), (P, 25)]], [LeafTag.INIT], [1.0])
   batch = pack([tree], BUCKETS)
   behav = np.asarray(batch.behavior_logp)

@@ -1,6 +1,7 @@
-"""PORTool advantages: the §9 worked fixture and its variants, oracle agreement
-with ref_portool on random trees, Theorem 3.1's identities (I1, I3), and the
-degenerate and invariance cases of specs/portool.md §7."""
+"""PORTool advantages (arXiv 2510.26020, §3.2, Eqs. 2-3, Theorem 3.1): a hand-worked
+fixture and its variants, oracle agreement with ref_portool on random trees, Theorem 3.1's
+identities (docs/methods/portool.md#theorem-31-identities), and degenerate and invariance
+cases (docs/methods/portool.md#trees-without-forks)."""
 
 import dataclasses
 
@@ -16,7 +17,7 @@ from tree_rl.algos import portool, registry
 from tree_rl.tree import NodeKind, RolloutTree, pack
 
 # One shape for every test, so nothing recompiles for a new batch: TEST_BUCKETS
-# widened to fit the §9 fixture (223 tokens, 99 on the longest path) and the
+# widened to fit the hand-worked fixture (223 tokens, 99 on the longest path) and the
 # largest portool_tree (n = 8 unshared, unfinished 4-step trajectories: 65
 # nodes and up to 195 tokens, beyond TEST_BUCKETS' 64 and 128), with a fixed
 # batch of 4 trees (fewer trees are padded with empty trees).
@@ -75,15 +76,15 @@ def _policy_tokens(t, path):
 
 
 # ----------------------------------------------------------------------------
-# §9 worked fixture
+# Hand-worked fixture
 # ----------------------------------------------------------------------------
 
 
 def _fixture(c_raw=1.0):
-  """Spec §9.1. Node ids (preorder): A=1, A1=3, A1x=5, A2=7, B=8, B1=10, C=11,
-  C1=13; env nodes 2, 4, 6, 9, 12 (two tokens each). Leaves: tau1 ends at the
-  env node 6 after A1x (truncated at T_max, R_out -1), tau2 at A2, tau3 at B1,
-  tau4 at C1 (all +1)."""
+  """The hand-worked tree (n = 4, f = 2, T_max = 3). Node ids (preorder): A=1,
+  A1=3, A1x=5, A2=7, B=8, B1=10, C=11, C1=13; env nodes 2, 4, 6, 9, 12 (two
+  tokens each). Leaves: tau1 ends at the env node 6 after A1x (truncated at
+  T_max, R_out -1), tau2 at A2, tau3 at B1, tau4 at C1 (all +1)."""
   t = RolloutTree.new([1, 2, 3])
 
   def step(parent, n_tok, raw, s):
@@ -102,33 +103,33 @@ def _fixture(c_raw=1.0):
   return t
 
 
-# (trajectory k, node) of the §9.3 table, in its row order.
+# (trajectory k, node) of the fixture's advantage table, in its row order.
 CELLS = [(0, 1), (0, 3), (0, 5), (1, 1), (1, 7), (2, 8), (2, 10), (3, 11), (3, 13)]
-SPEC_9_3 = [-1.638010, -6.232051, -1.732051, -1.166606, 5.577350, 1.205890, 0.577350,
+FIXTURE_ADV = [-1.638010, -6.232051, -1.732051, -1.166606, 5.577350, 1.205890, 0.577350,
             1.237317, 0.577350]
-TRAJ_TERM_9_3 = [-0.577350, -1.732051, -1.732051, -0.577350, 0.577350, 0.577350, 0.577350,
+FIXTURE_TRAJ_TERM = [-0.577350, -1.732051, -1.732051, -0.577350, 0.577350, 0.577350, 0.577350,
                  0.577350, 0.577350]
-OMEGA2_9_3 = [0.75, 4.5, 0.0, 5 / 12, 5.0, 8 / 9, 0.0, 14 / 15, 0.0]
+FIXTURE_OMEGA2 = [0.75, 4.5, 0.0, 5 / 12, 5.0, 8 / 9, 0.0, 14 / 15, 0.0]
 
 VARIANTS = {
-    # §9.5: n_forks = 1 (fork A only); omega2(1, A1) = 9, omega2(2, A2) = 10.
+    # n_forks = 1 (fork A only); omega2(1, A1) = 9, omega2(2, A2) = 10.
     "root_not_fork": (dict(root_is_fork=False),
                       [-0.577350, -10.732051, -1.732051, -0.577350, 10.577350, 0.577350,
                        0.577350, 0.577350, 0.577350]),
-    # §9.5 table (A_trj = [-1.5, .5, .5, .5], A_fork root [-1.154701, .57735, .57735]).
+    # Sample std: A_trj = [-1.5, .5, .5, .5], A_fork root [-1.154701, .57735, .57735].
     "ddof1": (dict(std_ddof=1),
               [-1.366025, -4.681981, -1.5, -0.981125, 4.035534, 1.013200, 0.5, 1.038860, 0.5]),
-    # §9.5: G = max gives R(A) = R(B) = R(C) = 1.2, so no root fork term.
+    # G = max gives R(A) = R(B) = R(C) = 1.2, so no root fork term.
     "g_max": (dict(g_rule="max"),
               [-0.577350, -6.232051, -1.732051, -0.577350, 5.577350, 0.577350, 0.577350,
                0.577350, 0.577350]),
-    # §9.5: G = avg equals adaptive (A1, A2 each hold one trajectory: max = avg).
-    "g_avg": (dict(g_rule="avg"), SPEC_9_3),
+    # G = avg equals adaptive (A1, A2 each hold one trajectory: max = avg).
+    "g_avg": (dict(g_rule="avg"), FIXTURE_ADV),
     # mix2: the outcome-only maxima are A: max(-0.9025, 0.95), B: 0.95, C: 0.95,
     # a tie -> avg at the root, as adaptive; at A: -0.95 vs 1 -> max. Same table.
-    "mix2": (dict(g_rule="mix2"), SPEC_9_3),
-    # traj_only: omega2 = 0, so A = the trajectory-term column of §9.3.
-    "traj_only": (dict(omega_mode="traj_only"), TRAJ_TERM_9_3),
+    "mix2": (dict(g_rule="mix2"), FIXTURE_ADV),
+    # traj_only: omega2 = 0, so A = the fixture's trajectory-term column.
+    "traj_only": (dict(omega_mode="traj_only"), FIXTURE_TRAJ_TERM),
     # fork_only: omega1 = 0, A = omega2 A_fork: 0.75 * -1.414214 = -1.060660,
     # 4.5 * -1 = -4.5, 0, (5/12) * -1.414214 = -0.589256, 5 * 1 = 5,
     # (8/9) * 0.707107 = 0.628539, 0, (14/15) * 0.707107 = 0.659966, 0.
@@ -147,13 +148,13 @@ def _cells(x, b=0):
   return np.array([x[b, n, k] for k, n in CELLS])
 
 
-def test_fixture_table_9_3():
+def test_fixture_table():
   canon, out = _run([_fixture()])
   assert [len(t.nodes) for t in canon] == [14] and canon[0].leaves[0].node == 6
   nl = out["node_leaf"]
-  np.testing.assert_allclose(_cells(nl), SPEC_9_3, atol=1e-5)
-  np.testing.assert_allclose(_cells(out["trajectory_term"]), TRAJ_TERM_9_3, atol=1e-5)
-  np.testing.assert_allclose(_cells(out["omega2"]), OMEGA2_9_3, atol=1e-5)
+  np.testing.assert_allclose(_cells(nl), FIXTURE_ADV, atol=1e-5)
+  np.testing.assert_allclose(_cells(out["trajectory_term"]), FIXTURE_TRAJ_TERM, atol=1e-5)
+  np.testing.assert_allclose(_cells(out["omega2"]), FIXTURE_OMEGA2, atol=1e-5)
   # A_fork: root [-1.414214, .707107, .707107] on A, B, C; fork A: [-1, 1] on A1, A2.
   np.testing.assert_allclose(out["fork_adv"][0, [1, 8, 11, 3, 7]],
                              [-1.414214, 0.707107, 0.707107, -1, 1], atol=1e-5)
@@ -166,9 +167,9 @@ def test_fixture_table_9_3():
   m = out["metrics"]
   assert m["n_forks_mean"] == 2 and m["fork_avg_frac"] == 0.5 and m["zero_std_frac"] == 0
   np.testing.assert_allclose(m["omega2_max"], 5.0, rtol=1e-6)
-  np.testing.assert_allclose(m["omega2_mean"], sum(OMEGA2_9_3) / 6, rtol=1e-6)
+  np.testing.assert_allclose(m["omega2_mean"], sum(FIXTURE_OMEGA2) / 6, rtol=1e-6)
 
-  # I3: (1/n) sum_j (1/|tau_j|) sum_t omega2 |s| = mean(4/3, 4/3, 2/3, 2/3) = 1.
+  # Weight check: (1/n) sum_j (1/|tau_j|) sum_t omega2 |s| = mean(4/3, 4/3, 2/3, 2/3) = 1.
   t = canon[0]
   paths = t.leaf_paths()
   tau = [_policy_tokens(t, p) for p in paths]
@@ -177,19 +178,20 @@ def test_fixture_table_9_3():
        for k, p in enumerate(paths)]
   np.testing.assert_allclose(w, [4 / 3, 4 / 3, 2 / 3, 2 / 3], atol=1e-6)
   np.testing.assert_allclose(np.mean(w), 1.0, atol=1e-6)
-  # §9.4 objective at rho = 1: J = (1/n) sum_j (1/|tau_j|) sum_t |s| A = -0.102640.
+  # Objective at rho = 1: J = (1/n) sum_j (1/|tau_j|) sum_t |s| A = -0.102640.
   j = np.mean([sum(nl[0, i, k] * len(t.nodes[i].tokens) for i in p
                    if t.nodes[i].kind == NodeKind.POLICY) / tau[k]
                for k, p in enumerate(paths)])
   np.testing.assert_allclose(j, -0.102640, atol=1e-6)
-  # ... and J_trj alone is the same number (I5: J_fork = 0 at rho = 1).
+  # ... and J_trj alone is the same number (J_fork = 0 at rho = 1: the A_fork of a fork's
+  # children sum to 0).
   j_trj = np.mean([sum(out["trajectory_term"][0, i, k] * len(t.nodes[i].tokens) for i in p)
                    / tau[k] for k, p in enumerate(paths)])
   np.testing.assert_allclose(j_trj, -0.102640, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
-def test_fixture_variants_9_5(name):
+def test_fixture_variants(name):
   overrides, want = VARIANTS[name]
   config = portool.PORToolConfig(**overrides)
   canon, out = _run([_fixture()], config)
@@ -204,7 +206,7 @@ def test_fixture_variants_9_5(name):
 
 
 def test_mix2_differs_from_adaptive():
-  # The §9 fixture with C's rubric at 0.725 (R_fm(C) = 0.1125).
+  # The hand-worked fixture with C's rubric at 0.725 (R_fm(C) = 0.1125).
   # Root values v_k = gamma^(T_k - 1) R_out + R_fm:
   #   Rmax(A) = 1.2, Rmax(B) = 1.2, Rmax(C) = 0.95 + 0.1125 = 1.0625.
   # adaptive: the Rmax differ -> G = max: R = [1.2, 1.2, 1.0625], mean 1.154167,
@@ -230,7 +232,7 @@ def test_mix2_differs_from_adaptive():
 
 
 # ----------------------------------------------------------------------------
-# Degenerate trees (§7)
+# Degenerate trees
 # ----------------------------------------------------------------------------
 
 
@@ -289,7 +291,8 @@ def test_degenerate_hand_trees():
   assert out["metrics"]["n_forks_mean"] == 0.5
   assert out["metrics"]["zero_std_frac"] == 0.25
 
-  # root_is_fork=False on (c): n_forks = 0 -> the fork term vanishes (§7 E6).
+  # root_is_fork=False on (c): n_forks = 0 -> the fork term vanishes
+  # (docs/methods/portool.md#trees-without-forks).
   _, out = _run(trees, portool.PORToolConfig(root_is_fork=False))
   np.testing.assert_allclose([out["node_leaf"][2, n, k] for n, k in [(1, 0), (3, 0), (6, 1)]],
                              [1, 1, -1], atol=1e-5)
@@ -361,7 +364,7 @@ def test_general_trees_finite_and_match(trees):
 
 
 # ----------------------------------------------------------------------------
-# Theorem 3.1 identities (§2.8)
+# Theorem 3.1 identities (PORTool App. B)
 # ----------------------------------------------------------------------------
 
 
@@ -372,12 +375,14 @@ def _phi(a, rho, eps=0.2):
 @settings(SETTINGS, max_examples=60)
 @given(trees=FOUR_PORTOOL, seed=st.integers(0, 2**31 - 1))
 def test_identities_i1_i3(trees, seed):
-  """I1: the omega2-weighted per-trajectory fork sum equals the fork-wise GRPO
-  objective for random per-token ratios; I3: the weights sum to 1."""
+  """The omega2-weighted per-trajectory fork sum equals the fork-wise GRPO
+  objective for random per-token ratios, and the weights sum to 1
+  (docs/methods/portool.md#theorem-31-identities)."""
   canon, out = _run(trees)
   rng = np.random.default_rng(seed)
   for b, t in enumerate(canon):
-    # One ratio per token of each distinct node, shared by all its copies (§7 E18).
+    # One ratio per token of each distinct node, shared by all its copies
+    # (docs/methods/portool.md#shared-steps).
     rho = [rng.uniform(0.5, 1.5, len(node.tokens)) for node in t.nodes]
     kids, fork_set = ref_portool.forks(t, DEFAULT)
     paths = t.leaf_paths()
@@ -422,7 +427,7 @@ def test_constant_rewards_give_zero(trees, outcome, raw):
   # (format_is_raw=False reads the rubric as R_fm directly: still constant).
   _, out = _run(trees, GAMMA1_SCALED)
   assert not out["node_leaf"].any()
-  # gamma < 1 (§7 E1): A_trj = 0, but the fork term may still rank siblings
+  # gamma < 1: A_trj = 0, but the fork term may still rank siblings
   # through gamma^(T_k - t).
   _, out = _run(trees)
   assert not out["trajectory_term"].any()
@@ -431,7 +436,8 @@ def test_constant_rewards_give_zero(trees, outcome, raw):
 
 @st.composite
 def chains_tree(draw):
-  """Algorithm 1 with f = 1: n independent chains under the root (§7 E6)."""
+  """Algorithm 1 with f = 1: n independent chains under the root
+  (docs/methods/portool.md#trees-without-forks)."""
   t = RolloutTree.new([1, 2])
   for _ in range(draw(st.integers(1, 6))):
     node = 0

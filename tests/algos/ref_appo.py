@@ -1,4 +1,5 @@
-"""Slow pure-Python reference for APPO, written from specs/appo.md §2.3-2.8.
+"""Slow pure-Python reference for APPO (arXiv 2606.12384, §3.2-3.3, Eqs. 4-7), written from
+the paper's formulas as read in docs/methods/appo.md.
 
 Plain loops over a host RolloutTree in canonical order (tree.canonical(): the
 packed order). Token arrays (`logp`, `entropy`) are flat over the tree's
@@ -14,8 +15,8 @@ import numpy as np
 from tree_rl.tree import LeafTag, NodeKind, RolloutTree
 
 REWARD_STD_FLOOR = 1e-6  # reward z-scores: 0 for a group without spread
-TOKEN_STD_FLOOR = 1e-8  # spec §2.4 item 4
-LOG_CLAMP = 20.0  # spec E15
+TOKEN_STD_FLOOR = 1e-8  # docs/methods/appo.md#zero-spread-z-scores
+LOG_CLAMP = 20.0  # docs/methods/appo.md#future-value-clamp
 
 
 def _mean_std(vals, ddof):
@@ -51,7 +52,8 @@ def group_zscores(tree: RolloutTree, config):
 
 
 def reference(tree: RolloutTree, config) -> np.ndarray:
-  """A_base[node, leaf] of Eq. 6 under config.base_adv_mode (spec §2.7 table)."""
+  """A_base[node, leaf] of Eq. 6 under config.base_adv_mode
+  (docs/methods/appo.md#base-advantage-reading)."""
   out = np.zeros((len(tree.nodes), len(tree.leaves)))
   z_i, z_b, stats_b = group_zscores(tree, config)
   paths = tree.leaf_paths()
@@ -132,7 +134,7 @@ def _token_z(vals, valid, ddof):
 
 
 def reference_branching(tree: RolloutTree, config, logp, entropy) -> dict[int, dict]:
-  """Per INIT leaf: lists bs, z_fut, z_ent, valid over the path positions (spec §2.4)."""
+  """Per INIT leaf: lists bs, z_fut, z_ent, valid over the path positions (Eq. 5)."""
   lo, hi = config.fut_clip
   out = {}
   for k, leaf in enumerate(tree.leaves):

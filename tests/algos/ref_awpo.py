@@ -1,9 +1,9 @@
-"""Slow pure-Python AWPO reference (specs/awpo.md §2.3-2.8, eqs. 21-29), written from the
+"""Slow pure-Python AWPO reference (arXiv 2512.19126, §3.2, eqs. 21-29), written from the
 formulas with plain loops in float64. Test-only: the oracle for tree_rl.algos.awpo.
 
-Conventions shared with the kernel (both from the spec, not from each other): one group per
-tree (all its leaves); population (1/K) statistics; a std <= 1e-6 counts as 0; a non-finite
-reasoning score is a missing judge score (w_g = 0, spec §7 E12).
+Conventions shared with the kernel (both from docs/methods/awpo.md, not from each other):
+one group per tree (all its leaves); population (1/K) statistics; a std <= 1e-6 counts as 0; a non-finite
+reasoning score is a missing judge score (w_g = 0).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def group(r_out, r_reason, cfg) -> dict:
   mean_mix, sd_mix = _mean(r_mix), _pop_sd(r_mix)
   gate = sd_mix / (sd_out + sd_mix + cfg.eps_std)
   if missing:
-    w = 0.0  # E12: the group falls back to the outcome-only advantage
+    w = 0.0  # missing judge score: the group falls back to the outcome-only advantage
   elif not cfg.variance_gating:
     w = 1.0  # ablation: the mixed reward alone, w_g = 1 in the clip radius
   elif mean_out < cfg.r_out_max and gate < cfg.eps_mix:

@@ -1,7 +1,8 @@
-"""Slow pure-Python PORTool reference (specs/portool.md §2.5-2.8), for tests.
+"""Slow pure-Python PORTool reference (arXiv 2510.26020, §3.2 Steps 2-3, Eqs. 2-3,
+Theorem 3.1), for tests.
 
-Written from the spec's formulas with plain loops over the host RolloutTree,
-in float64: trajectories are the leaf paths, steps the policy nodes on them,
+Written from the paper's formulas, read as in docs/methods/portool.md, with plain
+loops over the host RolloutTree, in float64: trajectories are the leaf paths, steps the policy nodes on them,
 the fork of a step is its nearest policy ancestor (or the root).
 """
 
@@ -13,11 +14,12 @@ import numpy as np
 
 from tree_rl.tree import NodeKind, RolloutTree
 
-STD_ZERO = 1e-6  # a group with (numerically) zero spread has advantage 0 (§2.7)
+STD_ZERO = 1e-6  # a group with (numerically) zero spread has advantage 0
+# (docs/methods/portool.md#z-score-convention)
 
 
 def norm(values: list[float], ddof: int, eps: float) -> list[float]:
-  """z-score of each value within the multiset `values` (spec norm(x, S))."""
+  """z-score of each value within the multiset `values` (PORTool's norm(x, S), §3.2 Step 3)."""
   g = len(values)
   mean = sum(values) / g
   if g <= ddof:
@@ -72,7 +74,8 @@ def reference(tree: RolloutTree, config) -> np.ndarray:
   def outcome_values(i):  # gamma^(T_k - t) R_out(tau_k), k in m(s)
     return [config.gamma ** (big_t[k] - depth[i]) * r_out[k] for k in through[i]]
 
-  # Step rewards R(c) per fork (Eq. 2, G rule of §2.6).
+  # Step rewards R(c) per fork (Eq. 2, the G rule of
+  # docs/methods/portool.md#step-reward-g-rule).
   kids, fork_set = forks(tree, config)
   reward = {}
   for p, ch in kids.items():

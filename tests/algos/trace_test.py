@@ -100,7 +100,7 @@ def test_allocate_roots_matches_brute_force(v, total, cap):
 
 def test_allocate_roots_large_is_fast_and_valid():
   rng = np.random.default_rng(0)
-  v = rng.beta(0.5, 0.5, size=512)  # many near 0 or 1, as in spec §3.3's check
+  v = rng.beta(0.5, 0.5, size=512)  # many near 0 or 1, like a trained predictor's
   start = time.perf_counter()
   m = trace.allocate_roots(v, 1024)
   elapsed = time.perf_counter() - start
@@ -245,7 +245,8 @@ def test_effective_ratio_hand_trees():
   trees = [flat([0.0, 1.0]), flat([1.0, 1.0]), flat([0.0]), hand_tree()]
   batch = pack(trees, dataclasses.replace(TEST_BUCKETS, trees=(6,)))
   assert float(trace.effective_ratio(batch)) == pytest.approx(0.5)
-  # Continuous rewards: any spread counts (spec §6.1: Var > 0 works for F1 rewards).
+  # Continuous rewards: any spread counts (Var > 0 works for F1 rewards;
+  # docs/methods/trace.md#non-binary-rewards).
   batch = pack([flat([0.3, 0.31]), flat([0.5, 0.5])], TEST_BUCKETS)
   assert float(trace.effective_ratio(batch)) == pytest.approx(0.5)
   # Other channels are read by name.

@@ -1,5 +1,5 @@
-"""AWPO execution-match score (eqs. 16-19) and outcome reward (eq. 14), with the spec §4.3
-matching rule and the empty-set conventions."""
+"""AWPO execution-match score (arXiv 2512.19126, eqs. 16-19) and outcome reward (eq. 14),
+with tree_rl's matching rule and empty-set conventions (docs/methods/awpo.md)."""
 
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_exact_value_match_is_canonical_json():
 
 
 def test_empty_conventions():
-  # A matched zero-argument tool: J(empty, empty) = 1 -> (1 + 1 + 0) / (1 + 1 + 0) = 1 (E9).
+  # A matched zero-argument tool: J(empty, empty) = 1 -> (1 + 1 + 0) / (1 + 1 + 0) = 1.
   assert execution_match([call("now")], [call("now")]) == 1.0
-  # No ground-truth calls: ToolRL's 0 by default, whatever the prediction (E8).
+  # No ground-truth calls: ToolRL's 0 by default, whatever the prediction.
   assert execution_match([], []) == 0.0
   assert execution_match([], [WEATHER]) == 0.0
   # The alternative convention: 1 when the prediction makes no call either.
@@ -71,7 +71,7 @@ def test_empty_conventions():
 
 
 def test_greedy_one_to_one_matching():
-  # Two GT calls of one tool, one prediction: only one GT call is matched (E10).
+  # Two GT calls of one tool, one prediction: only one GT call is matched.
   # r_name = 1; first GT call takes the prediction: J = 1, values 1 -> (1 + 1 + 1) / (1 + 2 + 2).
   gt = [call("f", a=1), call("f", a=2)]
   assert execution_match(gt, [call("f", a=1)]) == pytest.approx(3 / 5)
@@ -92,7 +92,7 @@ def test_outcome_reward():
   assert awpo_outcome_reward(True, [WEATHER, TIME], [WEATHER, TIME]) == 2.0
   pred = [call("weather", city="Paris", unit="F")]
   assert awpo_outcome_reward(True, [WEATHER, TIME], pred) == pytest.approx(1 + 2.5 / 6)
-  # Invalid format: S_format = 0 and the calls are not scored (E7).
+  # Invalid format: S_format = 0 and the calls are not scored.
   assert awpo_outcome_reward(False, [WEATHER, TIME], [WEATHER, TIME]) == 0.0
   assert awpo_outcome_reward(True, [], []) == 1.0
   assert awpo_outcome_reward(True, [], [], no_call="match") == 2.0

@@ -1,4 +1,4 @@
-"""The leaf scorer of AWPO's reasoning reward: rubric and LLM judge kinds, E12 on failure."""
+"""The leaf scorer of AWPO's reasoning reward: rubric and LLM judge kinds, no score on failure."""
 
 import dataclasses
 import math
@@ -48,7 +48,7 @@ def test_llm_judge_scores_and_a_failed_judgement_is_missing(server_factory):
   # 0.35 * 0.8 + 0.30 + 0.25 + 0.10 * 0.4 = 0.87
   assert scorer(TASK, GOOD, False)[REASONING_CHANNEL] == pytest.approx(0.87)
   other = GOOD[:-1] + [{"role": "assistant", "content": "<think>add them</think>5"}]
-  assert scorer(TASK, other, False) == {}  # 2 attempts, both 500: no score (E12)
+  assert scorer(TASK, other, False) == {}  # 2 attempts, both 500: no score
   m = scorer.step_metrics([{REASONING_CHANNEL: 0.87}, {}])
   assert m["reward/reasoning_missing_frac"] == 0.5
   assert (m["judge/requests"], m["judge/failures"]) == (3.0, 1.0)

@@ -1,4 +1,6 @@
-"""APPO: Agentic Procedural Policy Optimization (specs/appo.md).
+"""APPO: Agentic Procedural Policy Optimization (arXiv 2606.12384, §3.2-3.3, Eqs. 3-8).
+
+The readings tree_rl chose where the paper is open are in docs/methods/appo.md.
 
 Three pieces, all jitted kernels over a packed TreeBatch:
 
@@ -6,10 +8,12 @@ Three pieces, all jitted kernels over a packed TreeBatch:
    a gamma-discounted sum of the log-ratios log(pi_theta / pi_old) of the token
    and every later token of its root-to-leaf sequence, exponentiated.
 2. The Branching Score BS = Z(clip(Omega)) * Z(ent) (Eq. 5), z-scored within
-   each initial rollout, and the top-B branch-point selection (spec §2.4).
+   each initial rollout, and the top-B branch-point selection (§3.2; the sign
+   filter of docs/methods/appo.md#sign-filter).
 3. The registered estimator: the dual-group base advantage (Eq. 6, three
-   readings, spec §2.7) on the initial rollouts' policy tokens, and the
-   future-aware token scale 1 + b * clip(Omega, c_lo, c_hi) (Eq. 7, §2.8), so
+   readings: docs/methods/appo.md#base-advantage-reading) on the initial
+   rollouts' policy tokens, and the future-aware token scale
+   1 + b * clip(Omega, c_lo, c_hi) (Eq. 7, §3.3), so
    that the loss sees A = A_base * (1 + b * A_fut).
 
 Tree layout. Leaves tagged INIT are the N initial rollouts (the only trained
@@ -43,11 +47,11 @@ from tree_rl.tree.derived import TreeStructure
 from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag
 
 # The log of Omega is clamped to +-20 before exp so that long runs of large
-# log-ratios cannot overflow (spec E15; the authors' code does the same).
+# log-ratios cannot overflow (docs/methods/appo.md#future-value-clamp).
 LOG_FUTURE_CLAMP = 20.0
 # Token-level z-scores (Eq. 5) are 0 when the rollout's std is below this
-# (spec §2.4 item 4). Reward z-scores use segment.STD_FLOOR like every other
-# estimator.
+# (docs/methods/appo.md#zero-spread-z-scores). Reward z-scores use
+# segment.STD_FLOOR like every other estimator.
 BS_STD_FLOOR = 1e-8
 
 BASE_ADV_MODES = ("literal", "avg_flowback", "code_sum")
@@ -57,21 +61,24 @@ FIRST_MINIBATCH_FALLBACKS = ("entropy", "skip_branching")
 
 @dataclasses.dataclass(frozen=True)
 class APPOConfig:
-  """APPO advantage options; defaults follow specs/appo.md §3.4."""
+  """APPO advantage options: the paper's values (APPO §4.1, App. C) where it gives them,
+  otherwise tree_rl's choices (docs/methods/appo.md)."""
 
-  n_init: int = 4  # N, "initial sampling size" (spec §3.1, STATED).
-  budget: int = 16  # M, "global rollout size" (spec §3.1, STATED); B = M/N - 1 = 3.
-  tau_half: float = 32.0  # half-life of the decay, gamma = 2^(-1/tau) (spec §2.3, STATED).
-  fut_clip: tuple[float, float] = (1.0, 1.2)  # [c_lo, c_hi] (spec §2.8, STATED: implementation).
-  b: float = 0.5  # weight of the future-aware term (spec §3.1, STATED).
-  base_adv_mode: str = "avg_flowback"  # Eq. 6 reading (spec §2.7, SUGGESTION).
-  dual_group: bool = True  # False = the "w/o dual-group" pooled ablation (spec §2.7).
+  n_init: int = 4  # N, "initial sampling size" (APPO App. C).
+  budget: int = 16  # M, "global rollout size" (APPO App. C); B = M/N - 1 = 3.
+  tau_half: float = 32.0  # half-life of the decay, gamma = 2^(-1/tau) (APPO §4.1).
+  fut_clip: tuple[float, float] = (1.0, 1.2)  # [c_lo, c_hi], the implementation's clip (App. C).
+  b: float = 0.5  # weight of the future-aware term (APPO §3.3, App. C).
+  # Eq. 6 reading: docs/methods/appo.md#base-advantage-reading.
+  base_adv_mode: str = "avg_flowback"
+  # False = the "w/o dual-group" ablation (docs/methods/appo.md#pooled-ablation).
+  dual_group: bool = True
   bs_mode: str = "bs"  # "bs" (Eq. 5) | "entropy" (ablation, §4.3) | "future" (App. D).
-  bs_require_both_positive: bool = True  # sign filter (spec §2.4 item 2, SUGGESTION).
-  first_minibatch_fallback: str = "entropy"  # spec §2.4 item 5 (SUGGESTION).
-  std_ddof: int = 0  # population std (spec §2.4 item 4, SUGGESTION; paper NOT STATED).
-  std_eps: float = 1e-6  # reward z-score denominator eps (spec §3.4; paper NOT STATED).
-  outcome_channel: str = "outcome"  # leaf reward channel of R_n (NOT STATED, our choice).
+  bs_require_both_positive: bool = True  # docs/methods/appo.md#sign-filter
+  first_minibatch_fallback: str = "entropy"  # docs/methods/appo.md#first-minibatch-fallback
+  std_ddof: int = 0  # population std (docs/methods/appo.md#zero-spread-z-scores).
+  std_eps: float = 1e-6  # reward z-score eps (docs/methods/appo.md#zero-spread-z-scores).
+  outcome_channel: str = "outcome"  # leaf reward channel of R_n (our choice).
 
   def __post_init__(self):
     if not isinstance(self.n_init, int) or self.n_init < 1:
@@ -82,7 +89,7 @@ class APPOConfig:
     if self.budget % self.n_init:
       raise ValueError(
           f"APPOConfig.budget={self.budget} must be a multiple of n_init={self.n_init}"
-          " (M = (B + 1) * N at L = 1, spec §2.5)")
+          " (M = (B + 1) * N at L = 1, APPO §3.2)")
     if not math.isfinite(self.tau_half) or self.tau_half <= 0:
       raise ValueError(f"APPOConfig.tau_half must be finite and > 0, got {self.tau_half!r}")
     if len(tuple(self.fut_clip)) != 2:
@@ -120,7 +127,7 @@ class APPOConfig:
 
   @property
   def num_branches(self) -> int:
-    """B, branch points per initial rollout at L = 1: M = (B + 1) N (spec §2.5)."""
+    """B, branch points per initial rollout at L = 1: M = (B + 1) N (APPO §3.2)."""
     return self.budget // self.n_init - 1
 
 
@@ -136,7 +143,7 @@ class BranchingScore(NamedTuple):
   z_fut: Float[Array, "B K P"]  # Z(clip(Omega, c_lo, c_hi); H_n)
   z_ent: Float[Array, "B K P"]  # Z(ent; H_n)
   valid: Bool[Array, "B K P"]  # candidate branch positions
-  fell_back: Bool[Array, "B K"]  # clip(Omega) had ~zero std: the §2.4 item 5 fallback applied
+  fell_back: Bool[Array, "B K"]  # clip(Omega) had ~zero std: the first-minibatch fallback applied
 
 
 # ----------------------------------------------------------------------------
@@ -163,7 +170,7 @@ def _init_path_log_future(
   `derived.path_token_index` and scanned, S_i = x_i + gamma S_{i+1}; the
   zero padding past a path's end leaves S unchanged. x_i = log rho_i on
   policy tokens and 0 on prompt and env tokens, which still age the discount
-  (distances count raw positions, spec §2.3 / A9). On the tokens of exactly
+  (docs/methods/appo.md#future-value-distance). On the tokens of exactly
   one INIT path it equals `_future_tokens` (both are tested against the
   O(L^2) definition in tests/algos/ref_appo.py).
   """
@@ -388,7 +395,8 @@ def future_value(
 
   The sum runs along the root-to-leaf sequence of the INIT leaf through the
   token, to its end, across turns; env tokens contribute 0 but count in the
-  distance i' - i (spec §2.3). Computed in O(L) on the packed layout
+  distance i' - i (docs/methods/appo.md#future-value-distance). Computed in
+  O(L) on the packed layout
   (`_future_tokens`): a blocked reverse scan over the packed tokens plus
   `[B, N, N]` per-node work; nothing is `[B, L, K]`, `[B, K, P]` or
   `[B, L, L]`.
@@ -409,7 +417,7 @@ def future_value(
 
 
 # ----------------------------------------------------------------------------
-# Branching Score (Eq. 5) and branch-point selection (spec §2.4)
+# Branching Score (Eq. 5) and branch-point selection (APPO §3.2)
 # ----------------------------------------------------------------------------
 
 
@@ -459,8 +467,9 @@ def _branching_paths(
   else:
     bs = z_fut
   # When clip(Omega) has ~zero std over a rollout (always in the first
-  # mini-batch, where pi_theta = pi_old and Omega == 1; spec E1/E2), Z(clip
-  # Omega) is 0 and Eq. 5 ranks nothing: fall back per rollout (§2.4 item 5).
+  # mini-batch, where pi_theta = pi_old and Omega == 1), Z(clip Omega) is 0 and
+  # Eq. 5 ranks nothing: fall back per rollout
+  # (docs/methods/appo.md#first-minibatch-fallback).
   has_valid = valid.any(-1)
   fell_back = fut_flat & has_valid & (config.bs_mode != "entropy")
   fb = fell_back[..., None]
@@ -488,9 +497,11 @@ def branching_score(
 
   Statistics are per INIT rollout H_n over its valid positions: its policy
   (loss-mask) tokens, optionally restricted further by `token_mask` (e.g. the
-  rollout strategy's whitespace/punctuation/EOS filter, spec §2.4 item 1).
+  rollout strategy's whitespace/punctuation/EOS filter,
+  docs/methods/appo.md#valid-branch-positions).
   `bs_mode="entropy"` gives BS = Z(ent), `"future"` gives BS = Z(clip Omega).
-  Fallback (spec §2.4 item 5): for a rollout whose clip(Omega) has ~zero std,
+  Fallback (docs/methods/appo.md#first-minibatch-fallback): for a rollout whose
+  clip(Omega) has ~zero std,
   `"entropy"` sets BS := Z(ent); `"skip_branching"` sets BS := 0 and marks
   every position invalid.
 
@@ -506,8 +517,8 @@ def branching_score(
   Returns:
     BranchingScore of `[B, K, P]` arrays indexed by (tree, leaf, position in
     the leaf's root-to-leaf sequence), all zero/False off INIT rows, and the
-    `[B, K]` fallback flags. `branching_metrics` turns it into the spec §4.2
-    Branching Score logs.
+    `[B, K]` fallback flags. `branching_metrics` turns it into the Branching
+    Score logs (docs/methods/appo.md#logged-metrics).
   """
   st = derived.structure(batch) if st is None else st
   idx, log_fut = _init_path_log_future(batch, st, logp, config)
@@ -522,7 +533,10 @@ def select_branch_points(
     num_branches: int,
     require_both_positive: bool = True,
 ) -> Int[Array, "B K R"]:
-  """Top-B branch points of every rollout by Branching Score (spec §2.4, E3, E4).
+  """Top-B branch points of every rollout by Branching Score (APPO §3.2, Eq. 5).
+
+  The order below is tree_rl's (docs/methods/appo.md#sign-filter and
+  #too-few-branch-points).
 
   Order: with `require_both_positive`, valid positions with Z(clip Omega) > 0
   and Z(ent) > 0 first, by BS descending; then the remaining valid positions
@@ -559,14 +573,15 @@ def _safe_mean(x, mask, weight=None) -> Float[Array, ""]:
 
 
 def branching_metrics(score: BranchingScore, config: APPOConfig) -> dict[str, Float[Array, ""]]:
-  """The spec §4.2 Branching Score logs, for the rollout strategy that branches.
+  """The Branching Score logs, for the rollout strategy that branches
+  (docs/methods/appo.md#logged-metrics).
 
   They need the per-rollout `[B, K, P]` score, so they live here and not in
   the registered estimator (whose future value never gathers the paths):
 
     fallback_frac: share of the initial rollouts with a candidate position
       whose clip(Omega) had ~zero std, so that the first-minibatch fallback
-      (spec §2.4 item 5) applied.
+      (docs/methods/appo.md#first-minibatch-fallback) applied.
     bs_both_positive_frac (only when config.num_branches > 0): share of the
       top-B branch points (`select_branch_points` with
       config.bs_require_both_positive) with Z(clip Omega) > 0 and Z(ent) > 0.
@@ -619,7 +634,8 @@ def _groups(batch: TreeBatch, st: TreeStructure, config: APPOConfig) -> _Groups:
   mu_i, sd_i, n_i = _stats(r, is_init, config.std_ddof)
   mu_b, sd_b, n_b = _stats(r, is_branch, config.std_ddof)
   if not config.dual_group:
-    # "w/o dual-group": one pooled mean and std over all M rollouts (§2.7).
+    # "w/o dual-group": one pooled mean and std over all M rollouts
+    # (docs/methods/appo.md#pooled-ablation).
     mu_i, sd_i, _ = _stats(r, is_init | is_branch, config.std_ddof)
     mu_b, sd_b = mu_i, sd_i
 
@@ -639,7 +655,7 @@ def _groups(batch: TreeBatch, st: TreeStructure, config: APPOConfig) -> _Groups:
 def dual_group_zscores(
     batch: TreeBatch, config: APPOConfig, st: TreeStructure | None = None
 ) -> tuple[Float[Array, "B K"], Float[Array, "B K"]]:
-  """z_I of the INIT leaves and z_B of the BRANCH leaves (spec §2.7).
+  """z_I of the INIT leaves and z_B of the BRANCH leaves (APPO §3.3, Eq. 6).
 
     z_I(n) = (R_n - mu_I) / (sigma_I + eps),  z_B(b) = (R_b - mu_B) / (sigma_B + eps)
 
@@ -683,7 +699,7 @@ def _base_advantages(batch, st, config, g: _Groups) -> Float[Array, "B N K"]:
   z_i = g.z_init[:, None, :]  # [B, 1, K]
   if config.base_adv_mode == "literal":
     # Averaging over the non-empty groups only: with no branch at all Eq. 6
-    # has a single group and reduces to z_I (our choice, NOT STATED).
+    # has a single group and reduces to z_I (docs/methods/appo.md#base-advantage-reading).
     both = 0.5 * (g.z_init + g.z_init_vs_branch)
     adv = jnp.where((g.n_branch > 0)[:, None], both, g.z_init)[:, None, :]
   else:
@@ -745,7 +761,7 @@ def appo_advantages(
     Advantages with node_leaf `[B, N, K]` = A_base on INIT paths (0 for
     BRANCH leaves), token_scale `[B, L]` = 1 + b * A_fut on the INIT paths'
     policy tokens (stop-gradient; 1 elsewhere), leaf_mask = INIT leaves, the
-    spec §4.2 LOG metrics other than the Branching Score ones, and
+    logged metrics other than the Branching Score ones (docs/methods/appo.md#logged-metrics), and
     extras["omega"] `[B, L]`.
   """
   del entropy  # Branching Score logs: `branching_metrics`
@@ -756,12 +772,13 @@ def appo_advantages(
   node_leaf = _base_advantages(batch, st, config, g)
 
   fut = _future_tokens(batch, st, logp, config)
-  omega = lax.stop_gradient(fut.omega)  # A_fut is a constant weight (spec §2.8)
+  # A_fut is a constant weight (docs/methods/appo.md#future-term-clip).
+  omega = lax.stop_gradient(fut.omega)
   lo, hi = config.fut_clip
   scaled = fut.exclusive & batch.loss_mask
   token_scale = jnp.where(scaled, 1.0 + config.b * jnp.clip(omega, lo, hi), 1.0)
 
-  # --- spec §4.2 LOG metrics (Branching Score ones: `branching_metrics`) ------
+  # --- logged metrics (Branching Score ones: `branching_metrics`) -------------
   tree_has_init = g.n_init > 0
   tree_has_branch = g.n_branch > 0
   n_cov, _ = _coverage(st, is_branch, g.z_branch)

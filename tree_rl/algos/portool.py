@@ -1,5 +1,7 @@
 """PORTool advantages: step rewards on a rewarded tree, trajectory- and
-fork-relative z-scores blended by Theorem 3.1 (specs/portool.md §2.5-2.8).
+fork-relative z-scores blended by Theorem 3.1 (PORTool, arXiv 2510.26020: §3.2 Steps 2-3,
+Eqs. 2-3, Theorem 3.1 and its proof in App. B). The readings tree_rl chose where the paper
+is open are in docs/methods/portool.md.
 
 Tree conventions. A PORTool step s_{j,t} is a POLICY node. Its step-level
 parent par(s) is its nearest strict ancestor that is a policy node, or the
@@ -22,8 +24,9 @@ Kernel outline: masked [B, N], [B, N, N] and [B, N, K] reductions with static
 shapes, the sibling groups given by a one-hot of the step-level parent (no
 loop over nodes, forks or leaves):
   1. step structure: t, T_k, par(s), |C(p)|, F;
-  2. step rewards (Eq. 2) with the G rule of §2.6;
-  3. A_trj over the leaves and A_fork over the siblings of each fork (§2.7);
+  2. step rewards (Eq. 2) with the G rule of §3.2 Step 2 (read as in
+     docs/methods/portool.md#step-reward-g-rule);
+  3. A_trj over the leaves and A_fork over the siblings of each fork (§3.2 Step 3);
   4. omega_2 (Theorem 3.1) and Eq. 3, written per (step, trajectory).
 
 The output is `node_leaf[b, s, k]` = Eq. 3's A for step s inside trajectory
@@ -50,31 +53,33 @@ OMEGA_MODES = ("theorem", "traj_only", "fork_only", "no_scale")
 
 @dataclasses.dataclass(frozen=True)
 class PORToolConfig:
-  """PORTool advantage settings (defaults: specs/portool.md §3)."""
+  """PORTool advantage settings (PORTool §3.2, §4.3; defaults: docs/methods/portool.md)."""
 
-  gamma: float = 0.95  # §3.1: best value of the gamma ablation (Sec. 4.3.1, Fig. 3)
-  fm_half_range: float = 0.25  # §2.5: stated range [-0.25, 0.25] (formula would give 0.295, A5)
-  # §2.5 [SUGGESTION]: the node "format" channel holds the raw rubric in [0, 1]
-  # and is rescaled R_fm = h (2 raw - 1); False reads it as R_fm directly.
+  gamma: float = 0.95  # best value of the gamma ablation (PORTool §4.3.1, Fig. 3)
+  fm_half_range: float = 0.25  # the stated range [-0.25, 0.25] (§3.2 Step 2)
+  # The node "format" channel holds the raw rubric in [0, 1] and is rescaled
+  # R_fm = h (2 raw - 1) (docs/methods/portool.md#formatting-reward-scale);
+  # False reads it as R_fm directly.
   format_is_raw: bool = True
-  g_rule: str = "adaptive"  # §2.6: max unless the siblings' Rmax all tie, then avg
-  # §7 E14 suggests 1e-9 for float64. The kernels run in float32, whose
+  g_rule: str = "adaptive"  # Eq. 2's G (docs/methods/portool.md#step-reward-g-rule)
+  # Tie tolerance of the G test (docs/methods/portool.md#g-rule-tie-tolerance).
+  # 1e-9 would suit float64. The kernels run in float32, whose
   # spacing near |R| ~ 1 is 1.2e-7: two mathematically equal Rmax computed
   # along different paths (gamma^a R_out + R_fm) can differ by a few ulps, and
   # 1e-9 would flip such ties to G = max on noise. 1e-6 covers that round-off
   # and stays orders of magnitude below real reward gaps (rescaled rubric
   # steps are >= ~3e-3; gamma^a - gamma^b is ~1e-2 or more for gamma <= 0.99).
   g_tie_tol: float = 1e-6
-  root_is_fork: bool = True  # §2.3, ambiguity A2 [SUGGESTION]
-  std_ddof: int = 0  # §2.7 [SUGGESTION]: population std (NOT STATED in the paper)
-  std_eps: float = 1e-6  # §2.7 [SUGGESTION]: verl's epsilon (NOT STATED in the paper)
-  omega_mode: str = "theorem"  # §2.8 ablations: theorem | traj_only | fork_only | no_scale
-  outcome_channel: str = "outcome"  # NOT STATED, our choice: leaf channel of R_out
-  format_channel: str = "format"  # NOT STATED, our choice: node channel of the rubric
+  root_is_fork: bool = True  # docs/methods/portool.md#root-as-a-fork
+  std_ddof: int = 0  # population std (docs/methods/portool.md#z-score-convention)
+  std_eps: float = 1e-6  # verl's epsilon (docs/methods/portool.md#z-score-convention)
+  omega_mode: str = "theorem"  # §4.3.2 ablations: theorem | traj_only | fork_only | no_scale
+  outcome_channel: str = "outcome"  # leaf channel of R_out (our choice)
+  format_channel: str = "format"  # node channel of the rubric (our choice)
 
   def __post_init__(self):
     if not 0.0 <= self.gamma <= 1.0:
-      raise ValueError(f"PORToolConfig.gamma={self.gamma} must be in [0, 1] (spec §1)")
+      raise ValueError(f"PORToolConfig.gamma={self.gamma} must be in [0, 1] (PORTool Eq. 2)")
     if not self.fm_half_range >= 0.0:
       raise ValueError(f"PORToolConfig.fm_half_range={self.fm_half_range} must be >= 0")
     check_choice("PORToolConfig", "g_rule", self.g_rule, G_RULES)
@@ -97,7 +102,7 @@ class PORToolParams:
   """The numeric settings of a PORToolConfig as arrays.
 
   The kernel reads its knobs from here, not from Python values, so one
-  compiled `portool_kernel` serves every setting (STYLE P6/P12): a gamma or
+  compiled `portool_kernel` serves every setting: a gamma or
   G-rule sweep, or a test of every ablation, needs no recompile. Under the
   registry's jit, where the config is static, these are constants that XLA
   folds away.
@@ -178,7 +183,7 @@ def group_zscore(
     ddof: Float[Array, ""] | float,
     eps: Float[Array, ""] | float,
 ) -> Float[Array, "B X"]:
-  """norm(x, S) of spec §2.7 within groups given as a membership mask.
+  """norm(x, S) of PORTool §3.2 Step 3 within groups given as a membership mask.
 
   z_i = (x_i - mean_g) / (std_g + eps) for the group g holding i (each i is in
   at most one group), std with `ddof`; 0 for i in no group and for groups
@@ -196,7 +201,7 @@ def group_zscore(
 def step_rewards(
     r_out: Float[Array, "B K"], fm: Float[Array, "B N"], sp: _Steps, params: PORToolParams
 ) -> tuple[Float[Array, "B N"], Bool[Array, "B N"]]:
-  """Step reward R(s) (Eq. 2) with the per-fork G rule (spec §2.6).
+  """Step reward R(s) (Eq. 2) with the per-fork G rule (docs/methods/portool.md#step-reward-g-rule).
 
   v_k(s) = gamma^(T_k - t(s)) R_out(tau_k) + R_fm(s)   for k in m(s),
   Rmax(s) = max_k v_k(s),  Ravg(s) = mean_k v_k(s).
@@ -245,8 +250,9 @@ def portool_kernel(
   A(j, s)       = omega_1 mean_{k in m(s)} A_trj(tau_k) + omega_2(j, s) A_fork(s)  (Eq. 3)
 
   norm is a z-score with `std_ddof` and `std_eps`; a group whose std is 0
-  gives 0 (§2.7). Steps that are not children of a fork, and every step when
-  n_forks = 0, get no fork term (App. B, §7 E4/E6). omega_mode picks
+  gives 0. Steps that are not children of a fork, and every step when
+  n_forks = 0, get no fork term (App. B; docs/methods/portool.md#trees-without-forks).
+  omega_mode picks
   (omega_1, omega_2) per the Sec. 4.3.2 ablation: theorem (1, Thm 3.1),
   traj_only (1, 0), fork_only (0, Thm 3.1), no_scale (1, 1).
 
@@ -267,7 +273,7 @@ def portool_kernel(
   sp = _steps(st, params.root_is_fork)
   ddof, eps = params.std_ddof, params.std_eps
 
-  # Step 3 of the method: trajectory- and fork-relative advantages (§2.7).
+  # Step 3 of the method: trajectory- and fork-relative advantages (§3.2 Step 3).
   r_out = batch.leaf_rewards(outcome_channel)
   a_trj = group_zscore(r_out, st.leaf_valid[:, :, None], ddof, eps)  # [B, K]
   m_count = st.num_leaves_under.astype(jnp.float32)  # |m(s)|
@@ -319,7 +325,7 @@ def _metrics(
     omega2: Float[Array, "B N K"],
     fork_mask: Bool[Array, "B N K"],
 ) -> dict[str, Float[Array, ""]]:
-  """Batch scalars the spec asks to log (§4.2 LOG line, §7 E15)."""
+  """Batch scalars for the logs (docs/methods/portool.md#logged-metrics)."""
   tree_ok = st.node_valid[:, 0]
   n_trees = jnp.maximum(tree_ok.sum(), 1).astype(jnp.float32)
   n_forks = sp.is_fork.sum(-1).astype(jnp.float32)

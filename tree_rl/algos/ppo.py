@@ -9,7 +9,7 @@ minibatches of whole trees (a tree is never split: its advantages and
 per-token weights are defined over all its leaves). Methods differ only in
 the advantages and the loss settings: advantages come in precomputed, or as a
 registered estimator name; estimators that read the current policy (APPO's
-future value uses pi_theta of the minibatch, spec §2.3) run inside each
+future value uses pi_theta of the minibatch, arXiv 2606.12384 §3.2, Eq. 4) run inside each
 minibatch on stop-gradient log-probs.
 """
 

@@ -1,4 +1,5 @@
-"""TRACE rollout-budget allocation and tree statistics (specs/trace.md §1.4-1.8, §3.3, §6, §8).
+"""TRACE rollout-budget allocation and tree statistics (TRACE, arXiv 2606.11119, §4.1-4.3,
+Eqs. 12-21; tree_rl's readings where the paper is open: docs/methods/trace.md).
 
 TRACE is not an advantage estimator: it decides how many root rollouts each candidate prompt
 gets and where each tree is expanded, and its trees are trained with TreeRPO or Tree-GRPO.
@@ -15,8 +16,9 @@ Jitted tree statistics on a TreeBatch:
                       predictor that fits them is `tree_rl.algos.trace_value`.
   effective_ratio     fraction of trees whose leaf rewards are not all equal (eq. 21).
 
-Predicted probabilities are clipped to [eps, 1 - eps] before allocation (spec §6.4, our
-choice): at v = 0 or 1 every count has value 0 and only the tie-break would decide.
+Predicted probabilities are clipped to [eps, 1 - eps] before allocation
+(docs/methods/trace.md#probability-clip): at v = 0 or 1 every count has value 0 and only
+the tie-break would decide.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from tree_rl.tree import derived
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.types import Array, Float, Int
 
-EPS = 1e-3  # clip for predicted probabilities; NOT STATED in the paper, spec §3.2's choice.
+EPS = 1e-3  # clip for predicted probabilities (docs/methods/trace.md#probability-clip).
 # Host-side numeric input: an array, a (nested) list or a scalar. numpy.typing.ArrayLike
 # would be the natural hint, but the test suite's beartype hook has no numeric tower (it
 # rejects a float where ArrayLike says complex).
@@ -75,16 +77,19 @@ def allocate_roots(
 ) -> np.ndarray:
   """Root rollout counts m [B] maximising sum_i V_root(v_i, m_i) (TRACE eq. 13).
 
-  Exact DP over prompts (spec §3.3): dp_i[b] = max_{m in {0} U {2..cap}, m <= b}
+  Exact DP over prompts (TRACE §4.1 solves Eq. 13 by dynamic programming):
+  dp_i[b] = max_{m in {0} U {2..cap}, m <= b}
   dp_{i-1}[b - m] + V_root(v_i, m), with cap = max_per_prompt (the paper has no cap: default
   `total`). The inner max over m runs for all budgets b at once on a sliding window of
   dp_{i-1}, so the cost is O(B * M * cap) numpy work and a B-step Python loop
   (B = 512, M = 1024: about a second).
 
-  Tie-break (not stated in the paper; ours): among optimal allocations, the one with the
+  Tie-break (ours, docs/methods/trace.md#root-allocation-tie-break): among optimal
+  allocations, the one with the
   most active prompts (m_i > 0), then, np.argmax taking the first maximum, the one where
   later prompts get smaller counts. Ties are common: V_root(v, 3) / 3 = V_root(v, 2) / 2 =
-  v (1 - v) for every v, so with a constant predictor (cold start, spec §6.3) and M = 2B,
+  v (1 - v) for every v, so with a constant predictor (cold start,
+  docs/methods/trace.md#cold-start) and M = 2B,
   all-2 and any mix of 2s and 3s tie; coverage picks m = 2 for every prompt. The first rule
   is a bonus of COVERAGE_BONUS per active prompt added to the objective: far above float64
   round-off of the sums, far below any real difference in value (it costs at most
@@ -93,7 +98,8 @@ def allocate_roots(
   Args:
     v: [B] predicted root success probabilities, clipped to [eps, 1 - eps].
     total: M, the number of root rollouts to hand out (sum m_i = M exactly).
-    max_per_prompt: optional per-prompt cap (spec §6.2).
+    max_per_prompt: optional per-prompt cap (none in the paper;
+      docs/methods/trace.md#per-prompt-cap).
     eps: probability clip.
 
   Returns:
@@ -146,7 +152,7 @@ def flip_probability(r: ArrayLike, v: ArrayLike, eps: float = EPS) -> np.ndarray
 
   The probability that one new continuation from an anchor repeats the factual reward r of
   the bare rollout through it, when the predictor gives the anchor success probability v. A
-  fractional r (F1 rewards, spec §6.1) interpolates.
+  fractional r (F1 rewards, docs/methods/trace.md#non-binary-rewards) interpolates.
   """
   r = np.asarray(r, np.float64)
   v = np.clip(np.asarray(v, np.float64), eps, 1.0 - eps)
@@ -163,8 +169,9 @@ def allocate_prefixes(q: ArrayLike, budget: Count) -> np.ndarray:
   """Continuation counts K [A] maximising sum_a 1 - q_a^{K_a}, sum K = budget (TRACE eq. 16).
 
   Each term is concave in K (its marginal gain q^K (1 - q) does not increase), so handing out
-  one continuation at a time to the anchor with the largest marginal gain is exact (spec
-  §3.3). A max-heap keyed on (-gain, index) breaks ties towards the lowest anchor index.
+  one continuation at a time to the anchor with the largest marginal gain is exact
+  (docs/methods/trace.md#prefix-allocation). A max-heap keyed on (-gain, index) breaks ties
+  towards the lowest anchor index.
 
   Args:
     q: [A] repeat probabilities of the anchors (`flip_probability`).
@@ -182,7 +189,7 @@ def allocate_prefixes(q: ArrayLike, budget: Count) -> np.ndarray:
   if q.shape[0] == 0:
     raise ValueError(
         f"no prefix anchor to spend {budget} continuations on; the caller must fall back to"
-        " extra root rollouts (spec §1.7)")
+        " extra root rollouts (TRACE App. E.5)")
   heap = [(-(1.0 - qa), a) for a, qa in enumerate(q.tolist())]
   heapq.heapify(heap)
   for _ in range(budget):
@@ -205,7 +212,8 @@ def backed_up_targets(
 
   n_y = 1 at a leaf and sum_{c in C(y)} n_c above; V_hat(y) = r_y at a leaf and
   (1/n_y) sum_c n_c V_hat(c) above. Unrolled, n_y is the number of leaves under y and V_hat(y)
-  their mean reward (leaf-count weighted, unlike TreeRPO's child mean, spec §6.6), so both
+  their mean reward (leaf-count weighted, unlike TreeRPO's child mean:
+  docs/methods/trace.md#two-backups), so both
   are one masked reduction over `leaves_under`.
 
   Returns:
@@ -224,7 +232,8 @@ def effective_ratio(batch: TreeBatch, channel: str = "outcome") -> Float[Array, 
   """Eff_root = (1/|B|) sum_i 1[Var(R_i) > 0] (TRACE eq. 21).
 
   R_i is every leaf reward of tree i, continuation leaves included. The average runs over the
-  batch's valid trees, i.e. the active prompts that were rolled out (spec §6.14), and is 0
+  batch's valid trees, i.e. the active prompts that were rolled out
+  (docs/methods/trace.md#effective-ratio-denominator), and is 0
   for a batch of padding only. Var > 0 is tested as max > min, which is exact.
   """
   ok = batch.leaf_node >= 0

@@ -1,18 +1,19 @@
 """TRACE's learned success predictor: a small value model over serialized prefixes.
 
-    V(H) = sigmoid(w . h_last(H) + b)                         (TRACE eq. 17, spec §1.6)
+    V(H) = sigmoid(w . h_last(H) + b)          (TRACE, arXiv 2606.11119, §4.3, Eq. 17)
 
 h_last is the final hidden state, at the last token of the prefix H, of a small
 causal decoder (`tree_rl.models.Decoder` at a tiny size) that shares the policy's
 vocabulary. The paper's predictor is a pretrained Qwen3-0.6B critic; ours starts
 from random weights, which is why its learning rate is far above the paper's
 3e-5 (see `ValueHeadConfig`). The head starts at zero, so a fresh predictor says
-0.5 everywhere (spec §6.3's cold start): stage 1 then gives every prompt 2
+0.5 everywhere (docs/methods/trace.md#cold-start): stage 1 then gives every prompt 2
 roots.
 
-Training (spec §1.6, §3.2): after a rollout step, `update(trees)` regresses V on
-the tree-backed success rates V_hat of eq. 18 by MSE (eq. 19), with
-success = clip(outcome, 0, 1) (spec §6.1; `tree_rl.rollout.strategies.trace.success`).
+Training (TRACE §4.3 and App. E.6; docs/methods/trace.md#predictor): after a
+rollout step, `update(trees)` regresses V on the tree-backed success rates V_hat of eq. 18 by MSE (eq. 19), with
+success = clip(outcome, 0, 1) (docs/methods/trace.md#non-binary-rewards;
+`tree_rl.rollout.strategies.trace.success`).
 The supervision set holds every tree's root (its prompt) and every turn prefix:
 each env node that a policy node follows, i.e. a history ending with a tool
 reply, the places stage 2 branches from (eq. 7). The paper keeps prefixes at 6%

@@ -1,7 +1,13 @@
 """Tree baselines: Tree-GRPO (intra + inter) and TreeRPO (sibling z-scores of
-backed-up means). TRACE trains with one of these (specs/trace.md §1.8).
+backed-up means). TRACE (arXiv 2606.11119, §4.4, App. E.4) trains with one of these.
 
-Both run on the node tree as packed. TreeRPO compresses chains: a node whose
+Sources: Tree-GRPO (Ji et al., "Tree Search for LLM Agent Reinforcement Learning",
+arXiv 2509.21240) and TreeRPO (Yang et al., "TreeRPO: Tree Relative Policy Optimization",
+arXiv 2506.05183), in the form TRACE restates them (Eqs. 45-49). tree_rl's readings:
+docs/methods/grpo.md.
+
+Both run on the node tree as packed. TreeRPO compresses chains
+(docs/methods/grpo.md#treerpo-chain-compression): a node whose
 parent has a single child belongs to the same edge as its parent, so every
 policy token takes the advantage of its chain head (the nearest
 ancestor-or-self whose parent has >= 2 children); tokens above the first
@@ -40,7 +46,7 @@ def _deepest_ancestor(st: TreeStructure, cond) -> Int[Array, "B N"]:
 
 @dataclasses.dataclass(frozen=True)
 class TreeGRPOConfig(ZScoreConfig):
-  """Tree-GRPO: the shared z-score fields (std type NOT STATED, specs/trace.md §6 item 8)."""
+  """Tree-GRPO: the shared z-score fields (std type: docs/methods/grpo.md#std-convention)."""
 
 
 @register(AdvEstimator.TREE_GRPO, TreeGRPOConfig)
@@ -50,7 +56,7 @@ def tree_grpo_advantages(batch: TreeBatch, config: TreeGRPOConfig) -> Advantages
   intra: the leaves of the same sub-tree, i.e. those under the same child of
   the prompt root (one sub-tree per initial chain, the original Tree-GRPO
   reading; TRACE's "siblings sharing the parent prefix" reading leaves a
-  factual leaf in several groups, specs/trace.md §6 item 8). inter: all leaves
+  factual leaf in several groups; docs/methods/grpo.md#tree-grpo-intra-group). inter: all leaves
   of the prompt. On a depth-1 tree every intra group has one member, so this
   reduces to GRPO.
   """
@@ -75,7 +81,7 @@ def tree_grpo_advantages(batch: TreeBatch, config: TreeGRPOConfig) -> Advantages
 
 @dataclasses.dataclass(frozen=True)
 class TreeRPOConfig(ZScoreConfig):
-  """TreeRPO: the shared z-score fields (std type NOT STATED, specs/trace.md §6 item 7)."""
+  """TreeRPO: the shared z-score fields (std type: docs/methods/grpo.md#std-convention)."""
 
 
 def backed_up_means(batch: TreeBatch, st: TreeStructure, leaf_r: Float[Array, "B K"]):

@@ -1,21 +1,21 @@
 """AWPO's outcome reward: format score plus execution match against the ground-truth calls
-(AWPO eqs. 14-19, specs/awpo.md §2.1 and §4.3).
+(AWPO, arXiv 2512.19126, §3.2, Eqs. 14-19).
 
 A tool call is a plain dict {"name": str, "arguments": {name: value}} (a missing "arguments"
 means a call without arguments). The paper scores calls with sets; the conventions it leaves
-open are the spec's §4.3 and §7 choices (ToolRL's rule):
+open are tree_rl's choices, following ToolRL's rule (docs/methods/awpo.md):
 
-  - matching (E10): each ground-truth call, in order, takes the best still-unused predicted
+  - matching: each ground-truth call, in order, takes the best still-unused predicted
     call with the same name, scored by Jaccard of argument names plus the number of exactly
     matching values; ties go to the earliest prediction. Unmatched calls add nothing.
   - r_name (eq. 16): Jaccard of the two sets of tool names, 0 when both are empty.
   - r_para (eq. 17): sum over matched ground-truth calls of the Jaccard of argument names, with
-    Jaccard(empty, empty) = 1 for a matched call without arguments (E9).
+    Jaccard(empty, empty) = 1 for a matched call without arguments.
   - r_value (eq. 18): number of ground-truth arguments whose predicted value is exactly equal;
     v(T_i) is every argument of T_i. "Exactly" is equality of canonical JSON (keys sorted),
-    so "5" != 5, 5 != 5.0 and True != 1, but dict key order does not matter (E11).
+    so "5" != 5, 5 != 5.0 and True != 1, but dict key order does not matter.
   - S_exec (eq. 19) = (r_name + r_para + r_value) / (1 + |T| + sum_i |v(T_i)|), in [0, 1].
-  - no ground-truth call (E8): the formula gives 0 (r_name = 0 by the rule above, and nothing
+  - no ground-truth call: the formula gives 0 (r_name = 0 by the rule above, and nothing
     to match): ToolRL's convention, the default. `no_call="match"` instead scores 1 when the
     prediction makes no call either.
 """
@@ -120,7 +120,7 @@ def awpo_outcome_reward(
   """R_out = S_format + S_exec (AWPO eqs. 14-15), in [0, 2].
 
   S_format is 1 for a valid output structure, else 0. S_exec is 0 when the format is invalid
-  (spec §7 E7: the calls of a malformed output are not scored).
+  (the calls of a malformed output are not scored; docs/methods/awpo.md).
   """
   if not format_ok:
     return 0.0

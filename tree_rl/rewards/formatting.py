@@ -1,6 +1,6 @@
 """PORTool's per-step formatting reward: a rule-based rubric and its rescaling.
 
-The rubric (specs/portool.md §2.5) is a cascade: each term is earned only when
+The rubric (PORTool, arXiv 2510.26020, §3.2 Step 2) is a cascade: each term is earned only when
 every earlier one was, because "formatting rewards are activated only when a
 reasoning block is present" and the later terms apply "only when the above
 requirements are met":
@@ -18,17 +18,18 @@ succeed 0.725; all succeed 1.0. The flags come from `tree_rl.envs.parsing`
 (`ParsedStep.think`, `num_tool_call_blocks`, `json_ok`, `fields_ok`) and a
 call succeeds when its `ToolResult.ok` is True.
 
-Edge cases (specs/portool.md §7):
-  - E10, a block holding an empty JSON list: zero calls, the field check passes
+Edge cases (our choices, docs/methods/portool.md#formatting-rubric-edge-cases):
+  - a block holding an empty JSON list: zero calls, the field check passes
     vacuously, and 0/0 gives no success credit, so raw = 0.45. Calling nothing
     must not be worth as much as calling something that works.
-  - E11, several blocks in one step: every block must parse, and the success
+  - several blocks in one step: every block must parse, and the success
     fraction is over the calls of all blocks together.
   - A step without a think block scores 0 whatever its calls do.
 
 The rescaled reward R_fm = h * (2 * raw - 1) with half-width h = 0.25 (the
-paper's "[-0.25, 0.25]"; the map itself is the spec's suggestion) is added to
-the decayed outcome in the step reward (PORTool eq. 2).
+paper's "[-0.25, 0.25]"; the map itself is ours,
+docs/methods/portool.md#formatting-reward-scale) is added to the decayed outcome in the
+step reward (PORTool eq. 2).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tree_rl.envs.base import ParsedStep, ToolResult
 # (0.45, 0.725, 1.0) come out exactly as written rather than as 0.45000000000000007.
 THINK, TAG, JSON, FIELDS, SUCCESS = 20, 10, 10, 5, 55
 
-FORMAT_HALF_WIDTH = 0.25  # PORTool's stated range "[-0.25, 0.25]" (specs/portool.md §2.5, §3.1)
+FORMAT_HALF_WIDTH = 0.25  # PORTool's stated range "[-0.25, 0.25]" (§3.2 Step 2)
 
 
 def formatting_raw(step: ParsedStep, results: Sequence[ToolResult]) -> float:
@@ -72,7 +73,7 @@ def formatting_raw(step: ParsedStep, results: Sequence[ToolResult]) -> float:
   if not step.fields_ok:
     return hundredths / 100
   hundredths += FIELDS
-  if not step.calls:  # E10: an empty list earns no success credit
+  if not step.calls:  # an empty list earns no success credit (see the module docstring)
     return hundredths / 100
   succeeded = sum(1 for r in results if r.ok)
   return (hundredths + SUCCESS * succeeded / len(step.calls)) / 100
@@ -85,7 +86,7 @@ def rescale_formatting(raw: float, half_width: float = FORMAT_HALF_WIDTH) -> flo
     raw: the rubric score from `formatting_raw`.
     half_width: h; the default 0.25 is the paper's range. Correct outcomes
       still beat wrong ones among siblings while h < gamma^(T_max - 1) / 2
-      (specs/portool.md §2.5).
+      (docs/methods/portool.md#formatting-reward-scale).
 
   Returns:
     h * (2 * raw - 1): raw 0 -> -h, 0.5 -> 0, 1 -> +h.

@@ -2,24 +2,27 @@
 
 Two rubrics:
 
-  - outcome (PORTool §2.4): the judge reads the question and the whole trajectory, tool
-    outputs included, builds its own reference answer (preferring the knowledge found in the
-    trajectory, since tools return time-sensitive facts) and labels the final answer "true"
-    (+1), "false" (-1) or "unable_to_answer" (0: valid reasoning, but the tools did not return
-    what was needed). PORTool reports accuracy as the majority of 5 votes (§5).
-  - reasoning (AWPO §2.2, §5.3): a "tool-use consistency evaluator" rates four dimensions,
-    Reasoning Path 35%, Tool Selection 30%, Parameter Setting 25%, Execution Strategy 10%, each
-    on a six-tier scale, and the score is the weighted sum of the tier values. The paper's
-    prompt and tier values are in an image that is not available; the mapping Tier VI..I =
-    0.0, 0.2, 0.4, 0.6, 0.8, 1.0 and the per-dimension weighting are the spec's suggestion.
+  - outcome (PORTool, arXiv 2510.26020, §3.1 and §3.2 Step 2): the judge reads the question
+    and the whole trajectory, tool outputs included, builds its own reference answer
+    (preferring the knowledge found in the trajectory, since tools return time-sensitive
+    facts) and labels the final answer "true" (+1), "false" (-1) or "unable_to_answer" (0:
+    valid reasoning, but the tools did not return what was needed). PORTool reports
+    accuracy as the majority of 5 votes (§4.1).
+  - reasoning (AWPO, arXiv 2512.19126, Eq. 20 and App. B, Fig. 2): a "tool-use consistency
+    evaluator" rates four dimensions, Reasoning Path 35%, Tool Selection 30%, Parameter
+    Setting 25%, Execution Strategy 10%, each on a six-tier scale, and the score is the
+    weighted sum of the tier values. The paper's prompt and tier values are in an image that
+    is not available; the mapping Tier VI..I = 0.0, 0.2, 0.4, 0.6, 0.8, 1.0 and the
+    per-dimension weighting are our choice (docs/methods/awpo.md).
 
 Why the machinery: the judge runs inside the RL loop, so it must not stall it. Requests retry
 with capped exponential backoff on timeouts, connection errors, HTTP 429/5xx and unparseable
 replies (never on other 4xx, which a retry cannot fix); replies are cached by a hash of the
 request, so re-judging the same episode is free; and when no endpoint is configured, or a
 judgement still fails, the verdict falls back to the task family's own verifier and says so
-(`source="verifier"`, `judge/fallback_verifier`). A caller that prefers PORTool's E16 handling
-(drop the query) or AWPO's E12 (mask the judge score) checks `source`.
+(`source="verifier"`, `judge/fallback_verifier`). A caller that prefers to drop the query
+(docs/methods/portool.md#judge-failures) or, for AWPO, to mask the judge score
+(docs/methods/awpo.md) checks `source`.
 """
 
 from __future__ import annotations
@@ -153,7 +156,8 @@ class ReasoningVerdict:
     votes: the score of every successful vote.
     dimensions: mean tier value per dimension over the votes (empty for the verifier).
     source: "judge", "cache" or "verifier" (then score is 1.0 if the verifier says
-      correct, else 0.0: a proxy, not a reasoning grade; AWPO's E12 masks it instead).
+      correct, else 0.0: a proxy, not a reasoning grade; AWPO training masks it instead,
+      docs/methods/awpo.md).
   """
 
   score: float
@@ -208,7 +212,7 @@ When a dimension scores Tier IV or lower, assess how far the reasoning deviates 
 
 End your reply with a JSON object on its own line: {"reasoning_path": "Tier <I-VI>", "tool_selection": "Tier <I-VI>", "parameter_setting": "Tier <I-VI>", "execution_strategy": "Tier <I-VI>"}"""
 
-# AWPO §5.3 weights; tier values are the spec's [SUGGESTION] (the paper's are in an image).
+# AWPO App. B (Fig. 2) weights; the tier values are ours (the paper's are in an image).
 REASONING_WEIGHTS = {"reasoning_path": 0.35, "tool_selection": 0.30,
                      "parameter_setting": 0.25, "execution_strategy": 0.10}
 TIER_VALUES = {"I": 1.0, "II": 0.8, "III": 0.6, "IV": 0.4, "V": 0.2, "VI": 0.0}

@@ -1,4 +1,5 @@
-"""AWPO's reasoning score R_reason (eq. 20) of every rollout leaf, from the configured judge.
+"""AWPO's reasoning score R_reason (arXiv 2512.19126, §3.2, eq. 20) of every rollout leaf,
+from the configured judge.
 
 `make_reasoning_scorer(kind, family, tasks, judge_config)` builds the scorer the trainer hands
 to the agent loop, which calls it on each ended episode and adds its channels to the leaf:
@@ -11,7 +12,7 @@ to the agent loop, which calls it on each ended episode and adds its channels to
 The score goes to leaf channel "reasoning". When the judge has no score (every vote failed
 after its retries: the LLMJudge falls back to the verifier's proxy, which is not a reasoning
 grade), the leaf gets no "reasoning" channel, the trainer packs the absent channel as NaN and
-the AWPO estimator gives that group the outcome-only advantage (spec §7 E12).
+the AWPO estimator gives that group the outcome-only advantage (docs/methods/awpo.md).
 """
 
 from __future__ import annotations

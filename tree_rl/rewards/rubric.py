@@ -1,5 +1,5 @@
 """An offline, deterministic reasoning score: AWPO's four judge dimensions rated by rules
-against the task's oracle trajectory (specs/awpo.md §2.2, §5.3).
+against the task's oracle trajectory (AWPO, arXiv 2512.19126, Eq. 20 and App. B, Fig. 2).
 
 AWPO's R_reason comes from an LLM judge that grades the chain of thought and the tool calls
 against the ground-truth trajectory on four weighted dimensions. A run without a judge
@@ -34,8 +34,8 @@ normalisation a judge would also forgive (numbers by value, strings case- and
 whitespace-insensitive); S_exec (`execution_match`) stays exact. Free-text arguments (the tool
 world's `response_gen` answer) rarely match; the outcome reward grades those.
 
-These rules are ours: the paper's judge prompt and tier values are not available (spec §8
-A11), and the rubric is no substitute for a judge reading the reasoning itself.
+These rules are ours (docs/methods/awpo.md): the paper's judge prompt and tier values are
+not available, and the rubric is no substitute for a judge reading the reasoning itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The RolloutEngine protocol (DESIGN.md §5): token ids in, token ids + log-probs out.
+"""The RolloutEngine protocol: token ids in, token ids + log-probs out.
 
 Both engines, the embedded JAX sampler and vLLM, take the *whole* context of
 every request as token ids and reuse cached prefixes themselves (the JAX

@@ -1,4 +1,4 @@
-"""TreeBatch: rollout trees as padded device arrays (DESIGN.md §3).
+"""TreeBatch: rollout trees as padded device arrays.
 
 `pack` lays every tree's nodes out in depth-first preorder, each node's tokens
 contiguous, and pads to bucketed static sizes so that shapes do not change
@@ -127,7 +127,7 @@ def pack(
     required_channels: leaf channels `check` insists on.
     absent_as_nan: leaf channels whose absence means "no value" rather than 0:
       stored as NaN where a leaf lacks them (AWPO's judge score, whose NaN
-      makes the estimator fall back to the outcome, specs/awpo.md §7 E12).
+      makes the estimator fall back to the outcome; docs/methods/awpo.md).
 
   Returns:
     A TreeBatch whose node order is each tree's depth-first preorder

@@ -22,7 +22,7 @@ from jax import lax
 from tree_rl.tree.types import Array, Bool, Float, Int
 
 # Groups whose standard deviation is at or below this are treated as having
-# no spread: their z-scores are exactly 0 (every spec asks for this; with a
+# no spread: their z-scores are exactly 0 (every method's group z-score does; with a
 # plain `std + eps` denominator, float round-off in the mean of equal values
 # would leak small non-zero advantages).
 STD_FLOOR = 1e-6

@@ -1,16 +1,18 @@
-"""`ToolWorldFamily`: PORTool's tool-use setting (spec §5) as a seeded, offline task family.
+"""`ToolWorldFamily`: PORTool's tool-use setting (arXiv 2510.26020, §4.1, App. C.1) as a
+seeded, offline task family (docs/methods/portool.md#tool-world).
 
 Tasks mix time-invariant and time-sensitive questions over a fictional world,
 with difficulty 1-5 (information-gathering steps of the oracle; the final
 `response_gen` step comes on top, so the default 6-turn limit of the paper fits
-the hardest oracle exactly). The outcome reward is PORTool's (spec §2.4) with a
+the hardest oracle exactly). The outcome reward is PORTool's (§3.2 Step 2) with a
 rule-based verifier in place of the GPT-4o judge:
 
   +1  the `response_gen` answer matches the typed ground truth;
    0  the answer says it is unable to answer;
   -1  any other answer, or a `response_gen` call without a string answer;
-  truncated_outcome (default -1, spec E7)  truncated, or the last step did not
-      call `response_gen` (E9: a free-text answer is not a final answer here).
+  truncated_outcome (default -1, docs/methods/portool.md#truncated-trajectories)
+      truncated, or the last step did not call `response_gen` (a free-text
+      answer is not a final answer here).
 """
 
 from __future__ import annotations

@@ -275,7 +275,8 @@ def stock_threshold(g: Gen, yesterday: bool) -> tuple[str, dict[str, Any], Solve
   """"Did X open (close) above T <currency> today (yesterday)?", with both valid routes.
 
   Route A converts the threshold into the stock's currency, route B converts the
-  price into the threshold's currency (spec §5: several valid tool-call routes).
+  price into the threshold's currency (PORTool, arXiv 2510.26020, §3.1: several valid
+  tool-call routes).
   The threshold is at least 6% away from the price, so rounding cannot make the
   routes disagree.
   """

@@ -1,6 +1,7 @@
 """The 17 PORTool tools, bound to one world and one task's present (`Context`).
 
-PORTool (spec §5) names the tools but not their schemas; these are ours. Each
+PORTool (arXiv 2510.26020, App. C.1) names the tools but not their schemas; these are
+ours (docs/methods/portool.md#tool-world). Each
 tool is a `Tool` with an OpenAI-style object schema, and its function raises
 `ValueError` with a message the model can act on (unknown entity, date out of
 range, market closed), which the executor turns into a tool error. Tools that

@@ -1,6 +1,6 @@
 """Rule-based verifier of tool-world answers: the final answer text against a typed truth.
 
-PORTool (spec §2.4) scores trajectories with a GPT-4o judge: +1 true, -1
+PORTool (arXiv 2510.26020, §3.1 and §3.2 Step 2) scores trajectories with a GPT-4o judge: +1 true, -1
 false, 0 "unable to answer". Our ground truths are typed (see `oracle.py`),
 so a deterministic check replaces the judge:
 
