@@ -35,8 +35,8 @@ from tree_rl.envs import make_family
 from tree_rl.evaluate import evaluate
 from tree_rl.models import Decoder, LoRAConfig, ModelConfig
 from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
-from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout import dynamic_sampling
+from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
 from tree_rl.rollout.jax_sampler import JaxSampler
