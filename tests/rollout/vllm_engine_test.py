@@ -25,7 +25,8 @@ from tree_rl.models import Decoder, ModelConfig, gguf_import
 from tree_rl.models.hf_io import hf_tensors, save_hf
 from tree_rl.rollout.engine import GenerationRequest, SamplingParams
 from tests.rollout import reference
-from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, VLLMEngine, find_vllm_python, topk_entropy
+from tree_rl.rollout.vllm_engine import (VLLM_PYTHON_ENV, VLLMEngine, find_vllm_python,
+                                         topk_entropy, vllm_request_seed)
 
 # SmolLM2's vocabulary, so that the folder carries its tokenizer (stop strings).
 CFG = ModelConfig.tiny(head_dim=64, hidden_size=128, num_attention_heads=2,
@@ -97,6 +98,23 @@ def test_topk_entropy_bounds_the_true_entropy():
     h_q = float(-(q * np.log(q)).sum())
     h_b = -(1 - tail) * math.log(1 - tail) - tail * math.log(tail)
     assert est == pytest.approx((1 - tail) * h_q + h_b, abs=1e-9)
+
+
+def test_a_seeded_request_gets_its_vllm_seed_from_the_key_and_its_seed_only():
+  base = [11, 22]
+  got = vllm_request_seed(base, 0, 5, call=0, index=0)
+  assert 0 <= got < 2**31
+  # Where the request sits (call count, index in the call) does not matter ...
+  assert {vllm_request_seed(base, 0, 5, c, i) for c in range(3) for i in range(4)} == {got}
+  # ... the reseed key and the request's own seed do.
+  assert vllm_request_seed([11, 23], 0, 5, 0, 0) != got
+  assert vllm_request_seed(base, 0, 6, 0, 0) != got
+  # Before any reseed, the constructor's seed stands in for the key.
+  assert vllm_request_seed(None, 3, 5, 0, 0) == vllm_request_seed([3], 9, 5, 0, 0)
+  # Without a seed: (key, call, index) after a reseed, vLLM's own stream before one.
+  unseeded = {vllm_request_seed(base, 0, None, c, i) for c in range(3) for i in range(4)}
+  assert len(unseeded) == 12
+  assert vllm_request_seed(None, 0, None, 0, 0) is None
 
 
 # ----------------------------------------------------------------------------

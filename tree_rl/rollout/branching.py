@@ -44,6 +44,17 @@ network call) and its tag (INIT for the initial rollouts, BRANCH for forks);
 each step's last policy node records PORTool's formatting score of the step in
 `rewards["format"]`.
 
+Sampling identity. Every request carries a seed (`GenerationRequest.seed`) from
+(task id, the task's occurrence among the Forest's tasks with that id, the
+branch's creation index within its tree, the branch's turn), so with a
+seed-aware engine (the JAX sampler, vLLM) a tree's tokens depend on the engine's
+reseed key and on that tree's own history only: not on which other tasks share
+the Forest, their order, or how a step's tasks are split across engines. This
+holds as far as the strategy's own choices are per tree (flat, APPO with L = 1);
+strategies that draw from one generator across all trees (PORTool's DupAndSamp,
+ARPO's branch coin, random branching, APPO's L > 1 sources) or allocate a budget
+across the tasks (TRACE) still couple the trees of one call.
+
 Tool state is shared: every episode of a task calls the same `ToolExecutor` (as
 in the flat loop), so forks of stateful tools see one world. Replaying a
 prefix's calls is never needed for the stateless families here.
@@ -61,7 +72,8 @@ from tree_rl.envs.base import Message, Task
 from tree_rl.envs.episode import OpenEpisode, StepRecord, advance
 from tree_rl.envs.executor import ToolExecutor
 from tree_rl.rollout.chat import ChatFormat
-from tree_rl.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams
+from tree_rl.rollout.engine import (GenerationRequest, RolloutEngine, SamplingParams,
+                                    request_seed)
 from tree_rl.tree.rollout_tree import RolloutTree, TreeError
 from tree_rl.tree.types import LeafTag, NodeKind
 
@@ -93,6 +105,9 @@ class Branch:
     last_policy: policy node of its latest step (-1 before the first).
     leaf: its leaf record once ended, else -1.
     data: scratch space of the strategy that grows it (e.g. ARPO's H_init).
+    ident: (task id, task occurrence, creation index within the tree): with
+      `turns`, the identity its requests are seeded from.
+    turns: requests it has sent so far.
   """
 
   tree: int
@@ -105,6 +120,12 @@ class Branch:
   last_policy: int = -1
   leaf: int = -1
   data: dict[str, Any] = dataclasses.field(default_factory=dict)
+  ident: tuple[str, int, int] = ("", 0, 0)
+  turns: int = 0
+
+  def request_seed(self) -> int:
+    """The seed of its next request: a function of (ident, turns) only."""
+    return request_seed(*self.ident, self.turns)
 
 
 class Forest:
@@ -138,7 +159,12 @@ class Forest:
     self._live: list[Branch] = []
     self._samples = collections.Counter()
     self.counts = collections.Counter()  # rollout statistics, see AgentLoop.RolloutStats
+    # (task id, how many earlier tasks have that id): the tree's sampling identity.
+    seen: collections.Counter = collections.Counter()
+    self._task_ident: list[tuple[str, int]] = []
     for task in self.tasks:
+      self._task_ident.append((str(task.task_id), seen[str(task.task_id)]))
+      seen[str(task.task_id)] += 1
       self.trees.append(RolloutTree.new(chat.prompt_tokens(task.messages),
                                         meta={"task_id": task.task_id}))
       self._before.append([None])
@@ -155,9 +181,9 @@ class Forest:
     ep = OpenEpisode(task=self.tasks[t], sample_index=self._samples[t],
                      executor=self._executors[t], terminal=self._terminal[t],
                      messages=list(state.messages), steps=list(state.steps))
-    self._samples[t] += 1
     b = Branch(tree=t, node=node, tokens=tokens, episode=ep, tag=LeafTag(tag), prefix=prefix,
-               data=dict(data or {}))
+               data=dict(data or {}), ident=(*self._task_ident[t], self._samples[t]))
+    self._samples[t] += 1
     self._live.append(b)
     if b.tag == LeafTag.BRANCH:
       self.counts["branches"] += 1
@@ -253,8 +279,10 @@ class Forest:
       if b not in self._live:
         raise ValueError("step: a branch has ended or was discarded")
     send = [b for b in branches if len(b.tokens) < self.max_context_tokens]
-    results = self.engine.generate(
-        [GenerationRequest(tuple(b.tokens), self.sampling) for b in send]) if send else []
+    requests = [GenerationRequest(tuple(b.tokens), self.sampling, b.request_seed()) for b in send]
+    for b in send:
+      b.turns += 1
+    results = self.engine.generate(requests) if send else []
     by_branch = {id(b): r for b, r in zip(send, results)}
     self.counts["turns"] += 1
     self.counts["requests"] += len(send)

@@ -15,6 +15,7 @@ recomputes, so importance ratios start at 1 when sampling at temperature 1.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,10 +54,43 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-  """One continuation of `tokens` (the full context, prompt included)."""
+  """One continuation of `tokens` (the full context, prompt included).
+
+  Attributes:
+    tokens: the context.
+    params: how to sample.
+    seed: the request's identity for sampling, an int in [0, 2**64), or None.
+      A seeded request's random stream is a function of (the engine's reseed
+      key, seed) alone, so its tokens do not depend on which other requests
+      share the `generate` call, on its index there, or on how many calls came
+      before: a step's requests can be split across engines or reordered and
+      sample the same continuations (`request_seed` derives it; the agent loop
+      seeds every request from (task, branch, turn)). None (direct engine users,
+      evaluation) keeps the batch-dependent stream: (reseed key, call count,
+      index in the call).
+  """
 
   tokens: tuple[int, ...]
   params: SamplingParams = SamplingParams()
+  seed: int | None = None
+
+  def __post_init__(self):
+    if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
+      raise ValueError(f"GenerationRequest.seed={self.seed!r} must be None or an int in [0, 2**64)")
+
+
+def request_seed(*parts: int | str) -> int:
+  """A 64-bit request seed from an identity tuple (e.g. task id, branch, turn).
+
+  A stable hash (BLAKE2b of the parts' reprs), unlike Python's `hash`, which is
+  salted per process: the same identity gives the same seed in every process
+  and on every worker.
+  """
+  for p in parts:
+    if not isinstance(p, (int, str)) or isinstance(p, bool):
+      raise TypeError(f"request_seed: part {p!r} is a {type(p).__name__}; use ints and strings")
+  digest = hashlib.blake2b(repr(tuple(parts)).encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little")
 
 
 @dataclasses.dataclass(frozen=True)

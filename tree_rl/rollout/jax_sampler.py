@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jaxtyping import UInt
 
 from tree_rl.models.decoder import Decoder, KVCache
 from tree_rl.rollout.engine import GenerationRequest, GenerationResult
@@ -68,6 +69,9 @@ class SamplerInputs:
   max_new: Int[Array, "W"]
   stop_seqs: Int[Array, "NS MS"]  # right-aligned token sequences, -1 padded on the left
   stop_use: Bool[Array, "W NS"]
+  # Row w's sampling identity, folded into the stream key: (1, seed >> 32, seed mod 2**32)
+  # for a seeded request, (0, device call count, w) otherwise (`GenerationRequest.seed`).
+  seeds: UInt[Array, "W 3"]
 
 
 @flax.struct.dataclass
@@ -84,16 +88,28 @@ class SamplerState:
   logprobs: Float[Array, "R M"]
   entropies: Float[Array, "R M"]
   cache: KVCache
-  rng: Array
+  rng: Array  # [R] typed keys: row r's stream; decode step t samples with fold_in(rng[r], t)
 
 
-def sample_tokens(logits: Float[Array, "R V"], key: Array, temperature: Float[Array, "R"],
+def row_keys(key: Array, seeds: UInt[Array, "R 3"]) -> Array:
+  """[R] typed keys, row r's = fold_in(fold_in(fold_in(key, s0), s1), s2) for s = seeds[r].
+
+  A row's key depends on its own identity only, not on the other rows.
+  """
+  fold = lambda k, s: jax.random.fold_in(
+      jax.random.fold_in(jax.random.fold_in(k, s[0]), s[1]), s[2])
+  return jax.vmap(fold, in_axes=(None, 0))(key, seeds.astype(jnp.uint32))
+
+
+def sample_tokens(logits: Float[Array, "R V"], keys: Array, temperature: Float[Array, "R"],
                   top_p: Float[Array, "R"], top_k: Int[Array, "R"]):
   """Sample one token per row; returns (tokens, policy log-probs, policy entropies).
 
   Temperature 0 is greedy. Top-k then top-p (over the top-k renormalised
   distribution) restrict the *sampling* distribution only; the returned
-  log-prob and entropy are those of the untempered policy.
+  log-prob and entropy are those of the untempered policy. `keys` ([R] typed
+  keys) gives every row its own Gumbel noise, so a row's token does not depend
+  on the other rows' keys or on R.
   """
   logits = logits.astype(jnp.float32)
   logp = jax.nn.log_softmax(logits, axis=-1)
@@ -111,7 +127,7 @@ def sample_tokens(logits: Float[Array, "R V"], key: Array, temperature: Float[Ar
 
   # The sort costs O(V log V) per row: only pay it when some row asks.
   scaled = lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), truncate, lambda s: s, scaled)
-  sampled = jax.random.categorical(key, scaled, axis=-1)
+  sampled = jax.vmap(lambda k, s: jax.random.categorical(k, s, axis=-1))(keys, scaled)
   tok = jnp.where(temperature > 0, sampled, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
   lp = jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
   ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
@@ -147,15 +163,15 @@ class SamplerLoop:
         reason=jnp.zeros((r,), jnp.int32), length=length, logits=logits,
         window=jnp.full((r, ms), -2, jnp.int32), tokens=jnp.full((r, m), -1, jnp.int32),
         logprobs=jnp.zeros((r, m), jnp.float32), entropies=jnp.zeros((r, m), jnp.float32),
-        cache=cache, rng=rng)
+        cache=cache, rng=row_keys(rng, inp.seeds))
     eos = jnp.asarray(self.eos_ids if self.eos_ids else (-3,), jnp.int32)
 
     def cond(st: SamplerState):
       return (st.step < m) & ~jnp.all(st.done)
 
     def body(st: SamplerState) -> SamplerState:
-      rng, key = jax.random.split(st.rng)
-      tok, lp, ent = sample_tokens(st.logits, key, inp.temperature, inp.top_p, inp.top_k)
+      keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(st.rng, st.step)
+      tok, lp, ent = sample_tokens(st.logits, keys, inp.temperature, inp.top_p, inp.top_k)
       live = ~st.done
       window = jnp.concatenate([st.window[:, 1:], tok[:, None]], axis=1)
       seq = inp.stop_seqs[None]  # [1, NS, MS]
@@ -178,7 +194,7 @@ class SamplerLoop:
       return SamplerState(
           step=st.step + 1, done=done, reason=reason, length=new_length, logits=logits,
           window=window, tokens=put(st.tokens, tok, -1), logprobs=put(st.logprobs, lp, 0.0),
-          entropies=put(st.entropies, ent, 0.0), cache=cache, rng=rng)
+          entropies=put(st.entropies, ent, 0.0), cache=cache, rng=st.rng)
 
     out = lax.while_loop(cond, body, state)
     # The work rows go back to their cache rows; every other row is untouched.
@@ -240,7 +256,13 @@ class JaxSampler:
     slots: cache length per row, the context window of generation.
     tokenizer: optional (HF `tokenizers` or `transformers`); needed for stop strings.
     eos_ids: token ids that end a generation (finish "eos").
-    seed: sampling seed; every call folds in a counter.
+    seed: sampling seed, the stream's key until the first `reseed`.
+
+  Sampling randomness: a request's decode step t uses fold_in(row_key, t), with
+  row_key the stream key folded with (1, seed >> 32, seed mod 2**32) for a request
+  with a `seed` (independent of the batch: see `GenerationRequest.seed`), or with
+  (0, c, i) for one without: the c-th device call since the reseed (a `generate`
+  of more requests than `rows` makes several), its i-th row (batch-dependent).
   """
 
   def __init__(self, model: Decoder, *, rows: int = 16, slots: int = 2048, tokenizer=None,
@@ -272,7 +294,8 @@ class JaxSampler:
 
   def reseed(self, key: Array) -> None:
     """Restart the sampling stream at `key` (the trainer reseeds every step from
-    (seed, step), so a resumed run samples exactly what the uninterrupted run did)."""
+    (seed, step), so a resumed run samples exactly what the uninterrupted run did;
+    seeded requests then sample from (key, request seed) alone)."""
     self.rng, self.calls = key, 0
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
@@ -387,15 +410,19 @@ class JaxSampler:
     strings, table, use = self._stop_table(requests)
     stop_use = np.zeros((w, table.shape[0]), bool)
     stop_use[:len(requests)] = use[:len(requests)]
+    seeds = np.zeros((w, 3), np.uint32)
+    seeds[:, 1], seeds[:, 2] = self.calls, np.arange(w)
+    for i, req in enumerate(requests):
+      if req.seed is not None:
+        seeds[i] = (1, req.seed >> 32, req.seed & 0xFFFFFFFF)
 
     host = dict(
         rows=np.array(work, np.int32), src_rows=src_rows, keep_len=keep_len, new_tokens=new_tokens, new_len=new_len,
         fork_src=fork_src, active=active, temperature=temperature, top_p=top_p, top_k=top_k,
-        max_new=max_new, stop_seqs=table, stop_use=stop_use)
+        max_new=max_new, stop_seqs=table, stop_use=stop_use, seeds=seeds)
     inp = SamplerInputs(**{k: jax.device_put(v) for k, v in host.items()})
     loop = SamplerLoop(self.graphdef, _bucket(int(max_new.max())), self.eos_ids)
-    key = jax.random.fold_in(self.rng, self.calls)
-    state = _run(loop, self.params, self.cache, inp, key)
+    state = _run(loop, self.params, self.cache, inp, self.rng)
     self.cache = state.cache
     out = jax.device_get((state.tokens, state.logprobs, state.entropies, state.reason))
     tokens, logprobs, entropies, reason = out
