@@ -24,7 +24,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
   from tree_rl.models import hf_io
-  from tree_rl.train import restore_policy
+  from tree_rl.checkpoint import restore_policy
 
   model, tokenizer, _ = restore_policy(_WORKDIR.value, _STEP.value)
   # The tokenizer files (and chat template) come from the folder it was loaded from.

@@ -2,7 +2,8 @@
 
 Ablations go after the config file (`--config=configs/apppo.py:task=math,runlocal`) or as
 overrides (`--config.optim.lr=3e-6`). All logic lives in `tree_rl.train.train_and_evaluate`,
-which the tests and notebooks call too.
+which the tests and notebooks call too; this file only sets up the process (JAX platform,
+JAX's share of GPU memory before the backend starts, matmul precision).
 """
 
 import os
@@ -23,12 +24,23 @@ _PLATFORM = flags.DEFINE_string("jax_platform", "", "Force a JAX platform (cpu, 
 flags.mark_flags_as_required(["config"])
 
 
+def set_device_env(config) -> None:
+  """Validates `config` and gives JAX its share of GPU memory: JAX reads
+  $XLA_PYTHON_CLIENT_MEM_FRACTION once, when its backend starts, so this runs before
+  anything touches a device (importing jax starts no backend)."""
+  from tree_rl.config_types import RunConfig
+  from tree_rl.device_memory import apply_learner_memory_fraction
+
+  apply_learner_memory_fraction(RunConfig.from_config_dict(config).rollout)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every file it renames at INFO
     logging.set_verbosity(logging.WARNING)
   if _PLATFORM.value:
     os.environ["JAX_PLATFORMS"] = _PLATFORM.value
+  set_device_env(_CONFIG.value)
   import jax
 
   from tree_rl import train

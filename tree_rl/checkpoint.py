@@ -19,16 +19,26 @@ success predictor) is split the same way: its JSON part in the metadata, its
 arrays as an optional `extra` item saved and restored like the train state.
 Orbax writes each step to a temporary directory and renames it when complete,
 so a crash mid-save leaves the previous checkpoint intact.
+
+`restore_policy(workdir)` reloads a finished or running run's policy outside the
+trainer (evaluation, HF export): it rebuilds the run's state from its saved
+config.json (`tree_rl.policy`) and restores the checkpoint into it.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from tree_rl.algos import ppo
+from tree_rl.config_types import RunConfig
+from tree_rl.models import Decoder
+from tree_rl.policy import build_run_policy, make_optimizer
 
 
 def _leaf_dict(tree: Any) -> dict[str, Any]:
@@ -130,3 +140,29 @@ class RunCheckpointer:
   def close(self) -> None:
     self.manager.wait_until_finished()
     self.manager.close()
+
+
+def restore_policy(workdir: str | pathlib.Path, step: int | None = None
+                   ) -> tuple[Decoder, Any, RunConfig]:
+  """(policy at `step` (default: latest), tokenizer, run config) of a training run's workdir.
+
+  The state is built exactly as the trainer builds it (model, optimizer, reference
+  when the KL term is on) so that the checkpoint's leaves line up with it.
+
+  Raises:
+    FileNotFoundError: `workdir` has no config.json, or no checkpoint.
+    ValueError: the checkpoint does not match the run's config.
+  """
+  workdir_path = pathlib.Path(workdir)
+  if not (workdir_path / "config.json").is_file():
+    raise FileNotFoundError(f"{workdir} is not a tree_rl run directory (no config.json)")
+  cfg = RunConfig.from_config_dict(json.loads((workdir_path / "config.json").read_text()))
+  model, tokenizer = build_run_policy(cfg)
+  state = ppo.init_state(model, make_optimizer(cfg.optim.lr, cfg),
+                         with_ref=cfg.algo.loss_config().kl_coef > 0)
+  ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)
+  try:
+    state, _ = ckpt.restore(state, step)
+  finally:
+    ckpt.close()
+  return state.model(), tokenizer, cfg

@@ -251,13 +251,13 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
 
   from transformers import AutoTokenizer
 
+  from tree_rl.checkpoint import restore_policy
   from tree_rl.envs import make_family
   from tree_rl.models import hf_io
   from tree_rl.rollout.chat import ChatFormat
   from tree_rl.rollout.engine import SamplingParams
   from tree_rl.rollout.jax_sampler import JaxSampler
   from tree_rl.rollout.policy import engine_policy
-  from tree_rl.train import restore_policy
 
   path = pathlib.Path(model)
   family_kwargs = {}

@@ -69,6 +69,28 @@ def find_vllm_python() -> str | None:
   return None
 
 
+def vllm_request_seed(base: Sequence[int] | None, engine_seed: int, seed: int | None,
+                      call: int, index: int) -> int | None:
+  """The vLLM sampling seed (31 bits) of one request.
+
+  Args:
+    base: the words of the last `reseed` key; None before any reseed.
+    engine_seed: the engine's constructor seed (stands in for `base` until a reseed).
+    seed: the request's `GenerationRequest.seed`; with one, the result depends on
+      (base, seed) only, not on where the request sits in which call.
+    call, index: the call count since the reseed and the request's index in the
+      call; they seed a request without `seed` (None before any reseed: vLLM's
+      own engine-wide stream).
+  """
+  if seed is not None:  # spawn_key (1,) keeps these apart from the (call, index) seeds
+    mixed = np.random.SeedSequence([*(base or [engine_seed]), seed], spawn_key=(1,))
+  elif base is None:
+    return None
+  else:
+    mixed = np.random.SeedSequence([*base, call, index])
+  return int(mixed.generate_state(1)[0] & 0x7FFFFFFF)
+
+
 def topk_entropy(topk_logprobs: Sequence[float]) -> float:
   """Entropy estimate of a next-token distribution from its top-k log-probs.
 
@@ -185,7 +207,9 @@ class VLLMEngine:
     kv_cache_gb: KV-cache size. None: vLLM sizes it from
       `gpu_memory_utilization` on GPU, and takes `$VLLM_CPU_KVCACHE_SPACE`
       (default 1 GiB here) on CPU.
-    gpu_memory_utilization: fraction of GPU memory vLLM may take.
+    gpu_memory_utilization: fraction of the GPU's memory vLLM may take, in (0, 1]
+      (the trainer passes config.rollout.generator_memory_fraction; with the learner on
+      the same GPU, JAX's share plus this one must leave room for both CUDA contexts).
     seed: vLLM's sampling seed.
     logprobs_k: top-k log-probs returned per step, for the entropy estimate
       (`topk_entropy`); at most vLLM's `max_logprobs`, which is set to it.
@@ -231,6 +255,8 @@ class VLLMEngine:
       raise FileNotFoundError(f"the vLLM worker is missing from {WORKER_DIR}")
     if logprobs_k < 1:
       raise ValueError(f"logprobs_k={logprobs_k} must be >= 1")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+      raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
     self.max_model_len = max_model_len
     self.logprobs_k = logprobs_k
     self.eos_ids = None if eos_ids is None else tuple(int(e) for e in eos_ids)
@@ -240,6 +266,7 @@ class VLLMEngine:
     self._graphdef = None
     self._seed_base: list[int] | None = None  # set by reseed: per-request seeds from then on
     self._calls = 0
+    self._seed = seed
     self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
                   "weight_updates": 0}
     config = dict(
@@ -335,7 +362,7 @@ class VLLMEngine:
           tokens=list(req.tokens), temperature=float(p.temperature), top_p=float(p.top_p),
           top_k=int(p.top_k), max_tokens=min(p.max_new_tokens, room), stop=list(p.stop),
           eos_ids=None if self.eos_ids is None else list(self.eos_ids),
-          seed=self._request_seed(len(wire))))
+          seed=self._request_seed(req, len(wire))))
     self._calls += 1
     if wire:
       outs = self._call({"op": "generate", "requests": wire}, "generate")
@@ -368,10 +395,13 @@ class VLLMEngine:
         finish_reason=finish, stop=stop, prefill_tokens=prefill)
 
   def reseed(self, key: Any) -> None:
-    """Restarts sampling at `key` (a JAX PRNG key or an int): from then on request i of
-    the c-th `generate` call is sampled with a seed derived from (key, c, i), so a
-    resumed run replays the same requests with the same randomness. Before the first
-    reseed, vLLM's engine-wide seed stream is used."""
+    """Restarts sampling at `key` (a JAX PRNG key or an int): from then on a request
+    with a `seed` is sampled with a vLLM seed derived from (key, request seed), so it
+    samples the same tokens however the requests are batched; request i of the c-th
+    `generate` call without one, from (key, c, i). So a resumed run replays the same
+    requests with the same randomness. Before the first reseed, seeded requests
+    derive from (the constructor's seed, request seed) and unseeded ones use vLLM's
+    engine-wide seed stream."""
     if isinstance(key, int):
       words = [key % 2**63]
     else:
@@ -380,11 +410,8 @@ class VLLMEngine:
       words = [int(w) for w in np.asarray(jax.random.key_data(key)).ravel()]
     self._seed_base, self._calls = words, 0
 
-  def _request_seed(self, i: int) -> int | None:
-    if self._seed_base is None:
-      return None
-    mixed = np.random.SeedSequence([*self._seed_base, self._calls, i])
-    return int(mixed.generate_state(1)[0] & 0x7FFFFFFF)
+  def _request_seed(self, req: GenerationRequest, i: int) -> int | None:
+    return vllm_request_seed(self._seed_base, self._seed, req.seed, self._calls, i)
 
   def update_weights(self, params: Any) -> None:
     """Pushes new policy weights: a Decoder, its `nnx.State`, or HF-named arrays.
