@@ -26,6 +26,10 @@ from tree_rl.rollout.strategies.trace import check_predictor
 
 MODELS = ("smollm2", "tiny", "hf")
 ENGINES = ("jax", "vllm")
+# The share of one GPU's memory the learner and the vLLM generator may take together: the
+# rest holds the two processes' CUDA contexts (~0.5 GiB each) and allocations outside
+# either pool (cuBLAS workspaces, NCCL).
+MEMORY_BUDGET = 0.95
 PROFILE_MODES = ("", "xplane")
 
 
@@ -120,8 +124,47 @@ class RolloutSpec:
   # (tree_rl.rollout.dynamic_sampling). Any method; configs/dapo.py turns it on.
   dynamic_sampling: bool = False
   dynamic_sampling_extra_rounds: int = 8
+  # One GPU shared by the learner (JAX) and the vLLM generator: each process takes a
+  # fixed share of the device's memory. `generator_memory_fraction` is vLLM's
+  # gpu_memory_utilization (weights, activations and KV cache; engine="vllm" only).
+  # `learner_memory_fraction` is JAX's XLA_PYTHON_CLIENT_MEM_FRACTION, which launch/train.py
+  # sets before JAX starts; 0 means JAX's own default (0.75) with engine="jax", and
+  # MEMORY_BUDGET - generator_memory_fraction with engine="vllm". No effect on CPU.
+  generator_memory_fraction: float = 0.5
+  learner_memory_fraction: float = 0.0
+
+  def learner_memory_share(self) -> float | None:
+    """The fraction of GPU memory JAX may take in this run (None: JAX's own default)."""
+    if self.learner_memory_fraction:
+      return self.learner_memory_fraction
+    if self.engine == "vllm":
+      return round(MEMORY_BUDGET - self.generator_memory_fraction, 6)
+    return None
+
+  def _check_memory_shares(self) -> None:
+    """Each share in (0, 1); with vLLM on the same GPU, the two within MEMORY_BUDGET."""
+    for name in ("generator_memory_fraction", "learner_memory_fraction"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"config.rollout.{name}={v!r} must be a number")
+    g, j = self.generator_memory_fraction, self.learner_memory_fraction
+    if not 0.0 < g < 1.0:
+      raise ValueError(f"config.rollout.generator_memory_fraction={g} must be in (0, 1)")
+    if j and not 0.0 < j < 1.0:
+      raise ValueError(f"config.rollout.learner_memory_fraction={j} must be in (0, 1), "
+                       f"or 0 for the default")
+    if self.engine == "vllm" and j and j + g > MEMORY_BUDGET:
+      raise ValueError(
+          f"config.rollout.learner_memory_fraction={j} + generator_memory_fraction={g} = "
+          f"{j + g:g} exceeds {MEMORY_BUDGET} of the GPU: the learner (JAX) and the vLLM "
+          f"generator share one device and both CUDA contexts need the rest; lower one "
+          f"(learner_memory_fraction=0 takes {MEMORY_BUDGET} - generator_memory_fraction)")
+    if self.engine == "vllm" and not j and g >= MEMORY_BUDGET:
+      raise ValueError(f"config.rollout.generator_memory_fraction={g} leaves the learner "
+                       f"nothing of the GPU's {MEMORY_BUDGET} budget; lower it")
 
   def __post_init__(self):
+    self._check_memory_shares()
     if not isinstance(self.dynamic_sampling, bool):
       raise ValueError(f"config.rollout.dynamic_sampling={self.dynamic_sampling!r} must be a bool")
     rounds = self.dynamic_sampling_extra_rounds
@@ -242,6 +285,38 @@ class ProfileSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """The device mesh the policy trains on (`tree_rl.placement`): sizes of the `data`,
+  `fsdp` and `tensor` axes, -1 on at most one axis meaning "the remaining devices".
+
+  Sizes without -1 take the first data * fsdp * tensor devices (there must be that
+  many); with -1 the devices must split evenly. The default, one device, trains exactly
+  as an unsharded run does on any machine (no placement, no padding trees), so a
+  multi-device run is opted into explicitly (e.g. fsdp=-1 for every device on FSDP).
+  `max_replicated_fraction`: on a mesh with more than one fsdp or tensor device,
+  start-up fails when a larger share of the parameter bytes would be fully replicated
+  (a rules or metadata bug that would silently cost a full copy per device).
+  """
+
+  data: int = 1
+  fsdp: int = 1
+  tensor: int = 1
+  max_replicated_fraction: float = 0.1
+
+  def __post_init__(self):
+    sizes = {a: getattr(self, a) for a in ("data", "fsdp", "tensor")}
+    for name, v in sizes.items():
+      if v != -1 and v < 1:
+        raise ValueError(f"config.mesh.{name}={v} must be >= 1 or -1 (the remaining devices)")
+    if list(sizes.values()).count(-1) > 1:
+      raise ValueError(f"config.mesh: at most one axis may be -1 (the remaining devices), "
+                       f"got {sizes}")
+    if not 0.0 <= self.max_replicated_fraction <= 1.0:
+      raise ValueError(f"config.mesh.max_replicated_fraction={self.max_replicated_fraction} "
+                       f"must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
 class JudgeSpec:
   """The reasoning judge: AWPO's R_reason of every leaf, in leaf channel "reasoning".
 
@@ -291,6 +366,7 @@ class RunConfig:
   sft: SFTSpec
   profile: ProfileSpec
   judge: JudgeSpec
+  mesh: MeshSpec = MeshSpec()
   num_steps: int = 10
   prompts_per_step: int = 4
   eval_every_steps: int = 0  # 0: only before and after training
@@ -300,7 +376,8 @@ class RunConfig:
   resume: str = ""  # another run's checkpoint directory
 
   SECTIONS = {"model": ModelSpec, "task": TaskSpec, "rollout": RolloutSpec, "algo": AlgoSpec,
-              "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec, "judge": JudgeSpec}
+              "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec, "judge": JudgeSpec,
+              "mesh": MeshSpec}
 
   def __post_init__(self):
     _positive("", num_steps=self.num_steps, prompts_per_step=self.prompts_per_step,

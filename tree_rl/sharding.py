@@ -92,10 +92,17 @@ def _spec_for(var: nnx.Variable, mesh: Mesh, rules) -> P:
   return P(*spec)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
-  """NamedSharding for every Variable of an `nnx.state(...)` tree."""
-  return jax.tree.map(lambda v: NamedSharding(mesh, _spec_for(v, mesh, rules)), state,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+def state_shardings(state, mesh: Mesh, rules=LOGICAL_AXIS_RULES):
+  """NamedSharding for every leaf of a pytree of nnx Variables and plain arrays.
+
+  A Variable is placed by its `logical_axes` (optimizer moments keep their parameter's
+  Variable and metadata, so they shard like it); a plain array (a step or optimizer
+  counter) and a Variable without logical axes are replicated.
+  """
+  def one(x):
+    return NamedSharding(mesh, _spec_for(x, mesh, rules) if isinstance(x, nnx.Variable) else P())
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def partition_specs(model: nnx.Module, mesh: Mesh, rules=LOGICAL_AXIS_RULES) -> dict[str, str]:

@@ -22,18 +22,20 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from absl import logging
 from flax import nnx
 
 from tree_rl import metrics as metrics_lib
-from tree_rl.algos import ppo, sft
+from tree_rl.algos import ppo
 from tree_rl.algos.trace import effective_ratio
 from tree_rl.checkpoint import RunCheckpointer
-from tree_rl.config_types import ModelSpec, RunConfig
+from tree_rl.config_types import RunConfig
+from tree_rl.device_memory import apply_learner_memory_fraction
 from tree_rl.envs import make_family
 from tree_rl.evaluate import evaluate
-from tree_rl.models import Decoder, LoRAConfig, ModelConfig
+from tree_rl.models import Decoder
+from tree_rl.placement import Placement
+from tree_rl.policy import build_run_policy, make_optimizer
 from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
 from tree_rl.rollout import dynamic_sampling
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
@@ -49,50 +51,8 @@ EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
              "avg_formatting_raw"]
 
 
-def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_depth: int = 16
-                 ) -> tuple[Decoder, Any]:
-  """(model, tokenizer) for the model section; fails before any compile when unavailable.
-
-  `max_path_tokens` and `max_depth` bound a root-to-leaf path (the rollout's context
-  window and node depth). They set the model's default blockwise bound on the key
-  blocks one query block sees: packing is depth-first, so those blocks hold tokens
-  of the ancestors-or-self of the block's first node, and a node of n tokens
-  touches at most ceil(n / block) + 1 blocks: ceil(path / block) + 2 depth. The
-  trainer and the APPO scorer refit the exact bound per batch (`AttentionFitter`);
-  a call with a bound too small for its batch raises (`check_attention_bound`).
-  """
-  from transformers import AutoTokenizer
-
-  from tree_rl.models import gguf_import, hf_io
-  from tree_rl.models.attention import AttentionConfig
-
-  lora = (LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha,
-                     target_modules=tuple(spec.lora_targets)) if spec.lora_rank else None)
-  if spec.name == "hf":
-    folder = pathlib.Path(spec.hf_folder)
-    if not (folder / "config.json").is_file():
-      raise FileNotFoundError(f"config.model.hf_folder={spec.hf_folder!r} holds no config.json")
-  else:
-    # smollm2 and tiny both use SmolLM2's tokenizer and chat template.
-    folder = gguf_import.default_model_dir()
-  tokenizer = AutoTokenizer.from_pretrained(str(folder))
-  attn = AttentionConfig()
-  if spec.attention == "blockwise":
-    attn = AttentionConfig(impl="blockwise", block=spec.attention_block,
-                           max_kv_blocks=-(-max_path_tokens // spec.attention_block)
-                           + 2 * max_depth)
-  if spec.name == "tiny":
-    config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
-                              **dict(spec.tiny_overrides))
-    model = Decoder(config, rngs=nnx.Rngs(seed), lora=lora, remat=spec.remat,
-                    attention_config=attn)
-  else:
-    model = hf_io.load_hf(folder, dtype=spec.dtype, lora=lora, remat=spec.remat, seed=seed,
-                          attention_config=attn)
-  return model, tokenizer
-
-
-def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
+def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
+              placement: Placement):
   """The branching strategy with the run's group size and, for APPO, the current policy."""
   r, kw = cfg.rollout, dict(cfg.rollout.strategy_kwargs)
   if r.strategy in ("flat", "portool"):
@@ -100,7 +60,9 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
   elif r.strategy == "appo":
     if cfg.algo.estimator == "appo":  # one APPOConfig for the branching and the advantages
       kw.setdefault("config", estimator_config)
-    kw.setdefault("current_logprobs", model_scorer(policy_model, Buckets(tokens=TOKEN_BUCKETS)))
+    kw.setdefault("current_logprobs", model_scorer(
+        policy_model, Buckets(tokens=TOKEN_BUCKETS, trees=placement.tree_buckets()),
+        placement.place_batch))
   elif r.strategy == "arpo":
     kw.setdefault("initial_rollouts", r.samples_per_task)
     kw.setdefault("budget", 2 * r.samples_per_task)
@@ -111,14 +73,6 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder):
   if r.strategy in ("portool", "appo", "arpo", "random"):
     kw.setdefault("seed", cfg.seed)
   return make_strategy(r.strategy, **kw)
-
-
-def _path_bounds(cfg: RunConfig) -> tuple[int, int]:
-  """(tokens, nodes) a root-to-leaf path can hold: the context window, and a prompt
-  node plus a policy and an env node per turn (token-position branches split nodes:
-  counted twice)."""
-  turns = cfg.rollout.max_turns or 8
-  return cfg.rollout.max_context_tokens, 2 * (2 * turns + 1)
 
 
 def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
@@ -192,14 +146,8 @@ def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
                     "rollout.max_context_tokens=%d", window, r.max_context_tokens)
   return VLLMEngine(folder, python=python, max_model_len=window,
                     dtype=cfg.model.dtype, seed=cfg.seed, eos_ids=chat.eos_ids,
+                    gpu_memory_utilization=r.generator_memory_fraction,
                     log_file=str(workdir / "vllm_worker.log"))
-
-
-def _optimizer(lr: float, cfg: RunConfig) -> optax.GradientTransformation:
-  o = cfg.optim
-  schedule = (optax.linear_schedule(0.0, lr, o.warmup_steps) if o.warmup_steps else lr)
-  return optax.chain(optax.clip_by_global_norm(o.grad_clip),
-                     optax.adamw(schedule, weight_decay=o.weight_decay))
 
 
 def _save(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any], strategy: Any
@@ -304,6 +252,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   """
   # ============================== Setup ==============================
   cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile
+  apply_learner_memory_fraction(cfg.rollout)  # JAX's GPU share, or a clear error if too late
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
   (workdir_path / "config.json").write_text(json.dumps(
@@ -319,12 +268,18 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps)
   timer = metrics_lib.PhaseTimer()
 
+  # ============================== Mesh & shardings ==============================
+  # config.mesh (one device by default); fails here on a mesh the devices cannot form.
+  placement = Placement.from_spec(cfg.mesh)
+
   # ============================== Policy, reference & optimizer ==============================
-  model, tokenizer = build_policy(cfg.model, cfg.seed, *_path_bounds(cfg))
+  model, tokenizer = build_run_policy(cfg)
   chat = ChatFormat.from_tokenizer(tokenizer)
-  optimizer = _optimizer(cfg.optim.lr, cfg)
+  optimizer = make_optimizer(cfg.optim.lr, cfg)
   loss_config = cfg.algo.loss_config()
-  state = ppo.init_state(model, optimizer, with_ref=loss_config.kl_coef > 0)
+  placement.check_replication(model, cfg.mesh.max_replicated_fraction)  # before any compile
+  state = placement.place_state(ppo.init_state(model, optimizer,
+                                               with_ref=loss_config.kl_coef > 0))
   ppo_config = ppo.PPOConfig(
       loss=loss_config, estimator=cfg.algo.estimator,
       estimator_config=cfg.estimator_config(),  # DAPO's overlong lengths fit to the run
@@ -346,24 +301,26 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   if r.engine == "vllm":
     engine = _vllm_engine(cfg, state.model(), tokenizer, chat, workdir_path, vllm_python)
   else:
-    engine = JaxSampler(state.model(), rows=r.cache_rows, slots=r.max_context_tokens,
-                        tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
+    engine = JaxSampler(placement.rollout_model(state.model()), rows=r.cache_rows,
+                        slots=r.max_context_tokens, tokenizer=tokenizer, eos_ids=chat.eos_ids,
+                        seed=cfg.seed)
   sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
   # The strategy scores branch points with the current policy: a model whose
   # variables are updated in place after every step.
   policy_model = state.model()
-  strategy = _strategy(cfg, ppo_config.estimator_config, policy_model)
+  strategy = _strategy(cfg, ppo_config.estimator_config, policy_model, placement)
   if source is not None:
     _restore_method_state(strategy, source, meta)
   agent = AgentLoop(engine, chat, family, AgentConfig(
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
       max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy,
       leaf_rewards=reasoning)
-  buckets = _buckets(cfg.prompts_per_step)
+  buckets = _buckets(placement.trees_bucket(cfg.prompts_per_step, cfg.algo.num_minibatches))
+  logging.info("%s", placement.geometry(cfg.prompts_per_step, buckets.trees[0]))
 
   # ============================== Update step ==============================
-  update_step = ppo.jit_update_step(ppo_config, optimizer)
+  update_step = placement.update_step(ppo_config, optimizer)  # in/out shardings on the mesh
   fit = _AttentionFitter(model)  # each batch's tightest blockwise bound
   # APPO as its paper reads: each PPO mini-batch's prompts are branched with the
   # policy after the previous mini-batch's update, then that mini-batch is trained
@@ -383,9 +340,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     if cfg.prompts_per_step % cfg.algo.num_minibatches:
       raise ValueError(f"config.prompts_per_step={cfg.prompts_per_step} does not split into "
                        f"algo.num_minibatches={cfg.algo.num_minibatches}")
-    minibatch_step = ppo.jit_update_step(
+    minibatch_step = placement.update_step(
         dataclasses.replace(ppo_config, num_minibatches=1), optimizer)
-    minibatch_buckets = _buckets(cfg.prompts_per_step // cfg.algo.num_minibatches)
+    minibatch_buckets = _buckets(
+        placement.trees_bucket(cfg.prompts_per_step // cfg.algo.num_minibatches))
   # DAPO's dynamic sampling judges a group by the estimator's outcome channels.
   mixed_channels = (dynamic_sampling.outcome_channels(ppo_config.estimator_config)
                     if r.dynamic_sampling else None)
@@ -393,7 +351,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   def sync_weights(state) -> None:
     with timer("weight_sync"):
       current = state.model()
-      engine.update_weights(current)
+      engine.update_weights(placement.rollout_model(current))
       nnx.update(policy_model, nnx.state(current))
 
   # ============================== Evaluators ==============================
@@ -423,9 +381,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
 
     # ============================== SFT warm start ==============================
     if cfg.sft.steps and not meta["sft_done"]:
-      sft_opt = _optimizer(cfg.sft.lr, cfg)
+      sft_opt = make_optimizer(cfg.sft.lr, cfg)
       sft_state = state.replace(opt_state=sft_opt.init(state.params))
-      sft_step = jax.jit(sft.make_sft_step(sft_opt, LOGPROB_CHUNK), donate_argnums=0)
+      sft_step = placement.sft_step(sft_opt, LOGPROB_CHUNK)
       teacher = AgentLoop(oracle_engine(train_tasks, chat), chat, family, AgentConfig(
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
@@ -435,7 +393,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         tasks = [order[(i * n + j) % len(order)] for j in range(n)]
         # One tree per step: the step's trajectories store their shared prompt once.
         trees = [t for t in teacher.rollout(tasks) if t.leaves]
-        batch, _ = _pack([RolloutTree.merge_prompts(trees)], _buckets(1))
+        batch, _ = _pack([RolloutTree.merge_prompts(trees)], _buckets(placement.trees_bucket(1)))
         sft_state, m = sft_step(fit(sft_state, batch), batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
@@ -529,19 +487,3 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   return {"eval": meta["eval"], "steps": int(meta["step"]), "history": writer.history,
           "state": state}
 
-
-def restore_policy(workdir: str, step: int | None = None) -> tuple[Decoder, Any, RunConfig]:
-  """(policy at `step` (default: latest), tokenizer, run config) of a training run's workdir."""
-  workdir_path = pathlib.Path(workdir)
-  if not (workdir_path / "config.json").is_file():
-    raise FileNotFoundError(f"{workdir} is not a tree_rl run directory (no config.json)")
-  cfg = RunConfig.from_config_dict(json.loads((workdir_path / "config.json").read_text()))
-  model, tokenizer = build_policy(cfg.model, cfg.seed, *_path_bounds(cfg))
-  state = ppo.init_state(model, _optimizer(cfg.optim.lr, cfg),
-                         with_ref=cfg.algo.loss_config().kl_coef > 0)
-  ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)
-  try:
-    state, _ = ckpt.restore(state, step)
-  finally:
-    ckpt.close()
-  return state.model(), tokenizer, cfg

@@ -34,3 +34,14 @@ def make_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 
     return state.replace(params=params, opt_state=opt_state), metrics
 
   return sft_step
+
+
+def jit_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 512,
+                 state_shardings=None, batch_shardings=None):
+  """`sft_step` under jit with the state donated; with shardings (`tree_rl.placement`) the
+  state keeps its layout in and out and the batch's trees split over the mesh."""
+  kw = {}
+  if state_shardings is not None:
+    kw = dict(in_shardings=(state_shardings, batch_shardings),
+              out_shardings=(state_shardings, None))
+  return jax.jit(make_sft_step(optimizer, logprob_chunk), donate_argnums=0, **kw)

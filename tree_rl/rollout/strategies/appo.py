@@ -77,7 +77,8 @@ def behaviour_scorer(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
   return out
 
 
-def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
+def model_scorer(model: Any, buckets: Buckets | None = None,
+                 place_batch: Callable[[TreeBatch], TreeBatch] | None = None) -> PolicyScorer:
   """`current_logprobs` from a Decoder: log-probs and entropies on the packed trees.
 
   The trees are packed (`buckets`, default `Buckets()`, so shapes repeat across
@@ -87,7 +88,10 @@ def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
   The model is read at call time, so it follows in-place weight updates. With
   blockwise attention, each packed batch runs on the graph fitted to its exact
   key-block bound (`AttentionFitter`), whatever static bound the model carries:
-  one compile per (bucket, bound).
+  one compile per (bucket, bound). On a device mesh the trainer passes `place_batch`
+  (`tree_rl.placement.Placement.place_batch`: the packed trees split over the mesh, so
+  `buckets` must pad the trees to a multiple of its tree shards); the weights keep the
+  training layout they were updated with, and the jit follows both inputs' shardings.
   """
   from flax import nnx  # rollout code imports model code lazily
 
@@ -102,6 +106,8 @@ def model_scorer(model: Any, buckets: Buckets | None = None) -> PolicyScorer:
 
   def score(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
     batch = pack(list(trees), buckets or Buckets())
+    if place_batch is not None:
+      batch = place_batch(batch)
     lp, ent = scored(fit.graphdef(batch), nnx.state(model), batch)
     lp, ent = np.asarray(lp, np.float64), np.asarray(ent, np.float64)
     out = []
