@@ -3,7 +3,14 @@
 Ablations go after the config file (`--config=configs/apppo.py:task=math,runlocal`) or as
 overrides (`--config.optim.lr=3e-6`). All logic lives in `tree_rl.train.train_and_evaluate`,
 which the tests and notebooks call too; this file only sets up the process (JAX platform,
-JAX's share of GPU memory before the backend starts, matmul precision).
+JAX's share of GPU memory and the multi-process group before the backend starts, matmul
+precision).
+
+Several hosts: start this same command on every host with the process group in
+`config.distributed` or JAX's variables (docs/sharding.md#several-hosts), e.g.
+
+    JAX_COORDINATOR_ADDRESS=host0:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=<0|1> \
+      python launch/train.py --config=configs/grpo.py --config.mesh.fsdp=-1 --workdir=/shared/run
 """
 
 import os
@@ -25,13 +32,17 @@ flags.mark_flags_as_required(["config"])
 
 
 def set_device_env(config) -> None:
-  """Validates `config` and gives JAX its share of GPU memory: JAX reads
-  $XLA_PYTHON_CLIENT_MEM_FRACTION once, when its backend starts, so this runs before
-  anything touches a device (importing jax starts no backend)."""
+  """Validates `config`, gives JAX its share of GPU memory and joins the run's processes
+  (`tree_rl.distributed`): JAX reads $XLA_PYTHON_CLIENT_MEM_FRACTION once, when its backend
+  starts, and the process group must be joined before that, so this runs before anything
+  touches a device (importing jax starts no backend)."""
+  from tree_rl import distributed
   from tree_rl.config_types import RunConfig
   from tree_rl.device_memory import apply_learner_memory_fraction
 
-  apply_learner_memory_fraction(RunConfig.from_config_dict(config).rollout)
+  cfg = RunConfig.from_config_dict(config)
+  apply_learner_memory_fraction(cfg.rollout)
+  distributed.initialize(cfg.distributed)
 
 
 def main(argv):
@@ -48,7 +59,8 @@ def main(argv):
   jax.config.update("jax_default_matmul_precision", "highest")
   workdir = _WORKDIR.value or os.path.join(
       "runs", pathlib.Path(flags.FLAGS["config"].config_filename).stem)
-  logging.info("JAX devices: %s; workdir %s", jax.devices(), workdir)
+  logging.info("JAX process %d of %d, devices: %s; workdir %s", jax.process_index(),
+               jax.process_count(), jax.devices(), workdir)
   train.train_and_evaluate(_CONFIG.value, workdir)
 
 

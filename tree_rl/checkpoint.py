@@ -20,6 +20,12 @@ arrays as an optional `extra` item saved and restored like the train state.
 Orbax writes each step to a temporary directory and renames it when complete,
 so a crash mid-save leaves the previous checkpoint intact.
 
+Over several processes (`tree_rl.distributed`) every process calls `save`,
+`restore` and `close` with the same arguments: Orbax synchronises them, each
+process writes the array shards its devices hold and process 0 the metadata. The
+restore target's shardings come from the restoring run, so a checkpoint written by
+N processes restores on any mesh, one process included.
+
 `restore_policy(workdir)` reloads a finished or running run's policy outside the
 trainer (evaluation, HF export): it rebuilds the run's state from its saved
 config.json (`tree_rl.policy`) and restores the checkpoint into it.

@@ -13,14 +13,20 @@ from collections.abc import Iterator, Mapping
 
 
 class MetricWriter:
-  """Writes `{step, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard scalars."""
+  """Writes `{step, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard scalars.
 
-  def __init__(self, workdir: str | pathlib.Path, total_steps: int):
-    self.workdir = pathlib.Path(workdir)
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    self.jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
-    from tensorboardX import SummaryWriter  # imported late: slow, and only the trainer needs it
-    self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
+  `primary=False` (every process but 0 of a multi-process run, which computes the same
+  metrics): nothing is written or printed; `history` is kept all the same.
+  """
+
+  def __init__(self, workdir: str | pathlib.Path, total_steps: int, primary: bool = True):
+    self.workdir, self.primary = pathlib.Path(workdir), primary
+    self.jsonl = self.tb = None
+    if primary:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      self.jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
+      from tensorboardX import SummaryWriter  # imported late: slow, only the trainer needs it
+      self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
     self.total, self.t0, self.history = total_steps, time.time(), []
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -28,15 +34,18 @@ class MetricWriter:
     for k, v in metrics.items():
       v = float(v)
       row[k] = v if math.isfinite(v) else str(v)
-      if math.isfinite(v):
+      if math.isfinite(v) and self.primary:
         self.tb.add_scalar(k, v, step)
-    self.jsonl.write(json.dumps(row) + "\n")
-    self.jsonl.flush()
-    self.tb.flush()
     self.history.append(row)
+    if self.primary:
+      self.jsonl.write(json.dumps(row) + "\n")
+      self.jsonl.flush()
+      self.tb.flush()
 
   def progress(self, step: int, done: int, text: str) -> None:
     """One console line with rate and ETA (`done` steps finished in this process)."""
+    if not self.primary:
+      return
     elapsed = time.time() - self.t0
     rate = done / elapsed if elapsed > 0 else 0.0
     eta = (self.total - step) / rate if rate > 0 else float("nan")
@@ -44,8 +53,9 @@ class MetricWriter:
           file=sys.stderr, flush=True)
 
   def close(self) -> None:
-    self.jsonl.close()
-    self.tb.close()
+    if self.primary:
+      self.jsonl.close()
+      self.tb.close()
 
 
 class PhaseTimer:

@@ -16,6 +16,13 @@ have no tokens, leaves or loss). The rollout copy (the JAX sampler's weights) is
 to the mesh's first device: the sampler is single-device code, and a whole copy avoids
 an all-gather per generated token. On a one-device mesh (the default) nothing is placed
 and every step is jitted exactly as an unsharded run. The choices: docs/sharding.md.
+
+Over several processes (`tree_rl.distributed`) the mesh spans every process's devices.
+Each process holds the same host values (the same initial state from the seed, the same
+packed trees: every process rolls out all prompts), and each moves only the slices its
+own devices hold (`jax.make_array_from_callback`): a batch's trees [B, ...] arrive as
+[B / processes, ...] per process. The rollout copy is gathered whole on every process
+(each runs its own sampler).
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from tree_rl import sharding
 from tree_rl.algos import ppo, sft
@@ -110,10 +118,30 @@ class Placement:
     """A TrainState of NamedShardings (same graphdef), by the logical-axis rules."""
     return sharding.state_shardings(state, self.mesh, self.rules)
 
+  def put(self, tree: Any, shardings: Any) -> Any:
+    """`tree` on `shardings` (a matching tree, or one sharding for every leaf). In one
+    process: `jax.device_put`. Over several, every process holds the same host value and
+    moves only the slices of its own devices; leaves already on their sharding stay."""
+    if jax.process_count() == 1:
+      return jax.device_put(tree, shardings)
+
+    def put_leaf(x, s):
+      if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, s)  # already global: a reshard (a no-op when in place)
+      host = np.asarray(x)  # this process's full copy
+      return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+
+    leaves, treedef = jax.tree.flatten(tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+      return treedef.unflatten([put_leaf(x, shardings) for x in leaves])
+    # The sharding tree has a NamedSharding where `tree` has a Variable (its one child).
+    return treedef.unflatten([put_leaf(x, s) for x, s in zip(leaves, jax.tree.leaves(shardings),
+                                                              strict=True)])
+
   def place_state(self, state: ppo.TrainState) -> ppo.TrainState:
     if not self.sharded:
       return state
-    return jax.device_put(state, self.state_shardings(state))
+    return self.put(state, self.state_shardings(state))
 
   def place_batch(self, batch: TreeBatch) -> TreeBatch:
     """The batch's trees split over the tree shards ([B, ...] -> [B / shards, ...] each)."""
@@ -123,15 +151,20 @@ class Placement:
     if b % self.tree_shards:
       raise ValueError(f"a batch of {b} trees does not split over the mesh's data x fsdp = "
                        f"{self.tree_shards} devices; pack with Placement.trees_bucket")
-    return jax.device_put(batch, self.batch_sharding)
+    return self.put(batch, self.batch_sharding)
 
   def rollout_model(self, model: nnx.Module) -> nnx.Module:
-    """The sampler's copy of `model`: gathered whole onto the mesh's first device."""
+    """The sampler's copy of `model`: gathered whole onto the mesh's first device (over
+    several processes: onto this process's first mesh device, on every process)."""
     if not self.sharded:
       return model
     graphdef, state = nnx.split(model)
-    first = SingleDeviceSharding(self.mesh.devices.flat[0])
-    return nnx.merge(graphdef, jax.device_put(state, first))
+    if jax.process_count() == 1:
+      first = SingleDeviceSharding(self.mesh.devices.flat[0])
+      return nnx.merge(graphdef, jax.device_put(state, first))
+    # An all-gather to every device, then each process keeps its first device's copy.
+    whole = jax.jit(lambda s: s, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(state)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.addressable_data(0), whole))
 
   # ------------------------------------------------------------------ jitted steps
 
@@ -149,8 +182,7 @@ class Placement:
         jitted[state.graphdef] = make_jit(shardings, self.batch_sharding)
       # A state built outside (optimizer re-init, restore) moves to its layout here;
       # already-placed arrays are not copied.
-      return jitted[state.graphdef](jax.device_put(state, shardings), self.place_batch(batch),
-                                    *rest)
+      return jitted[state.graphdef](self.put(state, shardings), self.place_batch(batch), *rest)
 
     return step
 
