@@ -44,7 +44,9 @@ def base_config() -> ml_collections.ConfigDict:
                    max_turns=0, max_new_tokens=160, temperature=1.0, top_p=1.0, top_k=0,
                    max_context_tokens=4096, cache_rows=16, vllm_python="",
                    dynamic_sampling=False, dynamic_sampling_extra_rounds=8,
-                   generator_memory_fraction=0.5, learner_memory_fraction=0.0)
+                   generator_memory_fraction=0.5, learner_memory_fraction=0.0,
+                   backend="local", num_workers=1, worker_num_cpus=1.0, worker_num_gpus=0.0,
+                   worker_timeout_s=600.0)
   c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1)
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
   c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
@@ -54,6 +56,9 @@ def base_config() -> ml_collections.ConfigDict:
                  max_retries=3, votes=1, temperature=0.0, max_tokens=512, cache_path="")
   # The device mesh (data, fsdp, tensor; -1: the remaining devices). One device by default.
   c.mesh = dict(data=1, fsdp=1, tensor=1, max_replicated_fraction=0.1)
+  # Several hosts (tree_rl.distributed): unset fields come from $JAX_COORDINATOR_ADDRESS,
+  # $JAX_NUM_PROCESSES, $JAX_PROCESS_ID; one process when neither sets num_processes.
+  c.distributed = dict(coordinator_address="", num_processes=0, process_id=-1)
   c.num_steps = 10
   c.prompts_per_step = 4
   c.eval_every_steps = 0

@@ -21,6 +21,7 @@ from tree_rl.algos.losses import LossConfig
 from tree_rl.envs import FAMILIES, make_family
 from tree_rl.rewards.judge import JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
+from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.strategies import STRATEGIES
 from tree_rl.rollout.strategies.trace import check_predictor
 
@@ -132,6 +133,29 @@ class RolloutSpec:
   # MEMORY_BUDGET - generator_memory_fraction with engine="vllm". No effect on CPU.
   generator_memory_fraction: float = 0.5
   learner_memory_fraction: float = 0.0
+  # Rollout workers (tree_rl.rollout.fleet): a step's tasks split across `num_workers`
+  # engines, in this process ("local") or one Ray actor each ("ray") with
+  # `worker_num_cpus`/`worker_num_gpus` of Ray resources; a Ray worker silent for
+  # `worker_timeout_s` during a rollout is restarted and its tasks sent again.
+  backend: str = "local"
+  num_workers: int = 1
+  worker_num_cpus: float = 1.0
+  worker_num_gpus: float = 0.0
+  worker_timeout_s: float = 600.0
+
+  def _check_fleet(self) -> None:
+    """The fleet can split this rollout; Ray's per-worker settings only with backend='ray'."""
+    check_fleet(self.backend, self.num_workers, self.strategy, self.engine)
+    for name in ("worker_num_cpus", "worker_num_gpus", "worker_timeout_s"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (
+          name == "worker_timeout_s" and v <= 0):
+        raise ValueError(f"config.rollout.{name}={v!r} must be a number "
+                         f"{'> 0' if name == 'worker_timeout_s' else '>= 0'}")
+      default = RolloutSpec.__dataclass_fields__[name].default
+      if self.backend != "ray" and v != default:
+        raise ValueError(f"config.rollout.{name}={v!r} applies to Ray workers only; set "
+                         f"rollout.backend='ray' or leave it at {default}")
 
   def learner_memory_share(self) -> float | None:
     """The fraction of GPU memory JAX may take in this run (None: JAX's own default)."""
@@ -165,6 +189,7 @@ class RolloutSpec:
 
   def __post_init__(self):
     self._check_memory_shares()
+    self._check_fleet()
     if not isinstance(self.dynamic_sampling, bool):
       raise ValueError(f"config.rollout.dynamic_sampling={self.dynamic_sampling!r} must be a bool")
     rounds = self.dynamic_sampling_extra_rounds
@@ -317,6 +342,31 @@ class MeshSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedSpec:
+  """Several processes (hosts) training one mesh, joined by `jax.distributed.initialize`
+  (`tree_rl.distributed`). Each unset field comes from JAX's environment variable
+  ($JAX_COORDINATOR_ADDRESS, $JAX_NUM_PROCESSES, $JAX_PROCESS_ID); one process (no
+  initialize) when neither sets num_processes above 1.
+
+  coordinator_address: "host:port" of process 0's coordinator ("": from the environment).
+  num_processes: processes in the run (0: from the environment, else 1).
+  process_id: this process's index in [0, num_processes) (-1: from the environment).
+  """
+
+  coordinator_address: str = ""
+  num_processes: int = 0
+  process_id: int = -1
+
+  def __post_init__(self):
+    if self.num_processes < 0:
+      raise ValueError(f"config.distributed.num_processes={self.num_processes} must be >= 1 "
+                       f"(or 0: from $JAX_NUM_PROCESSES)")
+    if self.process_id < -1 or (self.num_processes and self.process_id >= self.num_processes):
+      raise ValueError(f"config.distributed.process_id={self.process_id} must be in "
+                       f"[0, num_processes={self.num_processes}) (or -1: from $JAX_PROCESS_ID)")
+
+
+@dataclasses.dataclass(frozen=True)
 class JudgeSpec:
   """The reasoning judge: AWPO's R_reason of every leaf, in leaf channel "reasoning".
 
@@ -367,6 +417,7 @@ class RunConfig:
   profile: ProfileSpec
   judge: JudgeSpec
   mesh: MeshSpec = MeshSpec()
+  distributed: DistributedSpec = DistributedSpec()
   num_steps: int = 10
   prompts_per_step: int = 4
   eval_every_steps: int = 0  # 0: only before and after training
@@ -377,7 +428,7 @@ class RunConfig:
 
   SECTIONS = {"model": ModelSpec, "task": TaskSpec, "rollout": RolloutSpec, "algo": AlgoSpec,
               "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec, "judge": JudgeSpec,
-              "mesh": MeshSpec}
+              "mesh": MeshSpec, "distributed": DistributedSpec}
 
   def __post_init__(self):
     _positive("", num_steps=self.num_steps, prompts_per_step=self.prompts_per_step,
@@ -389,6 +440,8 @@ class RunConfig:
           "config.judge.kind='rubric' (offline, graded against the task's oracle) or 'llm' "
           "with config.judge.base_url and config.judge.model (configs/awpo.py sets 'rubric')")
     self.estimator_config()  # DAPO's overlong lengths must be able to fire in this run
+    r = self.rollout  # the judge scores leaves in the trainer, not on rollout workers
+    check_fleet(r.backend, r.num_workers, r.strategy, r.engine, leaf_rewards=bool(self.judge.kind))
 
   def max_turns(self) -> int:
     """Assistant steps an episode can take in this run, by the agent loop's rule: PORTool's

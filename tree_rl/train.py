@@ -25,6 +25,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from tree_rl import distributed
 from tree_rl import metrics as metrics_lib
 from tree_rl.algos import ppo
 from tree_rl.algos.trace import effective_ratio
@@ -41,6 +42,7 @@ from tree_rl.rollout import dynamic_sampling
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
+from tree_rl.rollout.fleet import run_fleet
 from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
@@ -253,10 +255,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   # ============================== Setup ==============================
   cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile
   apply_learner_memory_fraction(cfg.rollout)  # JAX's GPU share, or a clear error if too late
+  distributed.initialize(cfg.distributed)  # several processes: joined before any device use
+  distributed.check_supported(cfg.rollout.engine, cfg.rollout.strategy, cfg.rollout.backend)
+  primary = distributed.is_primary()  # process 0 writes the files; all compute the same
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
-  (workdir_path / "config.json").write_text(json.dumps(
-      config.to_dict() if hasattr(config, "to_dict") else dict(config), indent=2, default=str))
+  if primary:
+    (workdir_path / "config.json").write_text(json.dumps(
+        config.to_dict() if hasattr(config, "to_dict") else dict(config), indent=2, default=str))
   family = make_family(cfg.task.family, **cfg.task.kwargs)
   vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
@@ -265,7 +271,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   # leaf it could not score is NaN for AWPO, whose group then uses the outcome alone.
   reasoning = make_reasoning_scorer(cfg.judge.kind, family, train_tasks, cfg.judge.judge_config())
   unscored = (REASONING_CHANNEL,) if cfg.algo.estimator == "awpo" else ()
-  writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps)
+  writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps, primary=primary)
   timer = metrics_lib.PhaseTimer()
 
   # ============================== Mesh & shardings ==============================
@@ -316,6 +322,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
       max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy,
       leaf_rewards=reasoning)
+  # More rollout workers (rollout.backend, num_workers): a step's tasks split across them
+  # by task; None: `agent` is the one worker. The trainer's engine still serves eval.
+  fleet = run_fleet(cfg, placement.rollout_model(state.model()), tokenizer, agent.config)
   buckets = _buckets(placement.trees_bucket(cfg.prompts_per_step, cfg.algo.num_minibatches))
   logging.info("%s", placement.geometry(cfg.prompts_per_step, buckets.trees[0]))
 
@@ -352,6 +361,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     with timer("weight_sync"):
       current = state.model()
       engine.update_weights(placement.rollout_model(current))
+      if fleet is not None:  # one ray.put per version; every worker loads it
+        fleet.update_weights(placement.rollout_model(current), fleet.version + 1)
       nnx.update(policy_model, nnx.state(current))
 
   # ============================== Evaluators ==============================
@@ -364,6 +375,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
     meta["eval"][stage] = m
     writer.write(step, {f"eval/{k}": v for k, v in m.items()})
+    if not primary:
+      return m
     report.to_json(str(workdir_path / f"eval_{stage}.json"))
     with open(workdir_path / f"eval_{stage}_transcripts.jsonl", "w", encoding="utf-8") as f:
       for rec, ep in zip(report.records, report.episodes):  # what the model said, per task
@@ -415,7 +428,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         # Sampling depends only on (seed, step) (and the dynamic-sampling round), so a
         # resumed run samples the same trees.
         step_key = jax.random.fold_in(base_key, step)
-        reseed = lambda k, key=step_key: engine.reseed(jax.random.fold_in(key, k) if k else key)
+        reseed = lambda k, key=step_key: (fleet or engine).reseed(
+            jax.random.fold_in(key, k) if k else key)
         update_key = jax.random.fold_in(base_key, 10**6 + step)
         row: dict[str, float] = {}
         if per_minibatch:
@@ -429,8 +443,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                                                     cfg.prompts_per_step)
         else:
           with timer("rollout"):
-            got = dynamic_sampling.rollout_step(agent, tasks_at, cfg.prompts_per_step, reseed,
-                                                mixed_channels, r.dynamic_sampling_extra_rounds)
+            got = dynamic_sampling.rollout_step(
+                fleet or agent, tasks_at, cfg.prompts_per_step, reseed, mixed_channels,
+                r.dynamic_sampling_extra_rounds)
           batch, _ = _pack(got.train, buckets, unscored)
           m = None
           if batch is None and mixed_channels is not None:
@@ -456,7 +471,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           "reward/outcome_mean": float(np.mean([lf.rewards["outcome"] for lf in leaves]))
           if leaves else float("nan"),
           "rollout/empty_trees": float(sum(not t.leaves for t in got.trees)), **timer.pop(),
-          **got.metrics()})
+          **got.metrics(), **(fleet.metrics() if fleet is not None else {})})
       if reasoning is not None:
         row.update(reasoning.step_metrics([lf.rewards for lf in leaves]))
       meta["step"] = step
@@ -479,11 +494,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     writer.close()
     if hasattr(engine, "close"):
       engine.close()
+    if fleet is not None:
+      fleet.close()
 
   # ============================== Summary ==============================
-  print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)
-  metrics_lib.plot_curves(writer.history, workdir_path / "curves.png",
-                          ["reward/outcome_mean", "eval/accuracy"])
+  if primary:
+    print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)
+    metrics_lib.plot_curves(writer.history, workdir_path / "curves.png",
+                            ["reward/outcome_mean", "eval/accuracy"])
   return {"eval": meta["eval"], "steps": int(meta["step"]), "history": writer.history,
           "state": state}
 
