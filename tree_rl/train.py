@@ -360,9 +360,10 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   def sync_weights(state) -> None:
     with timer("weight_sync"):
       current = state.model()
-      engine.update_weights(placement.rollout_model(current))
+      rollout_copy = placement.rollout_model(current)  # gathered once per sync
+      engine.update_weights(rollout_copy)
       if fleet is not None:  # one ray.put per version; every worker loads it
-        fleet.update_weights(placement.rollout_model(current), fleet.version + 1)
+        fleet.update_weights(rollout_copy, fleet.version + 1)
       nnx.update(policy_model, nnx.state(current))
 
   # ============================== Evaluators ==============================
