@@ -46,14 +46,15 @@ def base_config() -> ml_collections.ConfigDict:
                    dynamic_sampling=False, dynamic_sampling_extra_rounds=8,
                    generator_memory_fraction=0.5, learner_memory_fraction=0.0,
                    backend="local", num_workers=1, worker_num_cpus=1.0, worker_num_gpus=0.0,
-                   worker_timeout_s=600.0)
+                   worker_timeout_s=600.0, max_staleness=0)
   c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1)
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
   c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
   c.profile = dict(mode="", start_step=1, num_steps=1)
   # The reasoning judge (AWPO's R_reason): kind "" (none), "rubric" (offline) or "llm".
   c.judge = dict(kind="", base_url="", model="", api_key_env="OPENAI_API_KEY", timeout_s=30.0,
-                 max_retries=3, votes=1, temperature=0.0, max_tokens=512, cache_path="")
+                 max_retries=3, total_timeout_s=0.0, votes=1, temperature=0.0, max_tokens=512,
+                 cache_path="")
   # The device mesh (data, fsdp, tensor; -1: the remaining devices). One device by default.
   c.mesh = dict(data=1, fsdp=1, tensor=1, max_replicated_fraction=0.1)
   # Several hosts (tree_rl.distributed): unset fields come from $JAX_COORDINATOR_ADDRESS,

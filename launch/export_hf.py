@@ -3,7 +3,9 @@
   python launch/export_hf.py --workdir=/tmp/apppo --out=/tmp/apppo_hf [--step=N]
 
 The folder holds safetensors weights, config.json, generation_config.json and the
-tokenizer with its chat template; `transformers` and vLLM load it.
+tokenizer with its chat template; `transformers` and vLLM load it. --out must be a new
+or empty folder, or an earlier export (recognised by its `tree_rl_export.json`), which
+is replaced atomically; anything else (the run's own workdir, say) is refused untouched.
 """
 
 import pathlib
@@ -26,6 +28,9 @@ def main(argv):
   from tree_rl.models import hf_io
   from tree_rl.checkpoint import restore_policy
 
+  # Refuse a folder that is not empty and not an earlier export (such as the run's own
+  # workdir) before the slow restore; save_hf checks again and never deletes one.
+  hf_io.check_export_target(_OUT.value)
   model, tokenizer, _ = restore_policy(_WORKDIR.value, _STEP.value)
   # The tokenizer files (and chat template) come from the folder it was loaded from.
   out = hf_io.save_hf(model, _OUT.value, tokenizer_from=tokenizer.name_or_path)

@@ -48,6 +48,9 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   assert all(("loss" not in r) if s else np.isfinite(r["loss"]) for r, s in zip(steps, skipped))
   # APPO branches and updates per mini-batch: two updates a step.
   assert int(out["state"].step) == (4 if name == "apppo" else 2 - sum(skipped))
+  # Synchronous: trained on the policy that sampled; APPO's second mini-batch also trains
+  # on initial rollouts sampled before the first mini-batch's update.
+  assert all(r["rollout/staleness_max"] == (r["step"] > 0 and name == "apppo") for r in steps)
   if name == "dapo":
     for r in steps:
       assert r["rollout/dynamic_sampling/extra_rounds"] <= 1  # runlocal's bound
@@ -161,6 +164,25 @@ def test_awpo_with_an_unreachable_llm_judge_trains_on_the_outcome(tmp_path):
   assert np.isfinite(row["loss"]) and row["judge/failures"] > 0
 
 
+def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_path):
+  """max_staleness=1: the producer grows step k + 1 while step k trains, so some trees are
+  one update old and none older; the run resumes from its checkpoint like a synchronous one."""
+  c = _config("grpo", "runlocal,steps=3")
+  c.rollout.max_staleness = 1
+  out = train.train_and_evaluate(c, str(tmp_path))
+  steps = [r for r in out["history"] if "rollout/staleness_max" in r]
+  assert [r["step"] for r in steps] == [1, 2, 3]
+  assert all(0.0 <= r["rollout/staleness_mean"] <= r["rollout/staleness_max"] <= 1.0
+             for r in steps)
+  assert max(r["rollout/staleness_max"] for r in steps) == 1.0  # it did run ahead
+  assert all("time/rollout_wait" in r and r["time/rollout"] > 0 for r in steps)
+  assert int(out["state"].step) == 3
+  c.num_steps = 4
+  again = train.train_and_evaluate(c, str(tmp_path))
+  assert again["steps"] == 4 and int(again["state"].step) == 4
+  assert [r["step"] for r in again["history"] if "rollout/staleness_max" in r] == [4]
+
+
 def _launch(workdir, steps, extra=()):
   cmd = [sys.executable, str(ROOT / "launch/train.py"),
          f"--config={ROOT / 'configs/grpo.py'}:runlocal,steps={steps}", f"--workdir={workdir}",
@@ -259,6 +281,11 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: c.rollout.update(dynamic_sampling_extra_rounds=-1), "extra_rounds=-1 must be"),
     (lambda c: (c.rollout.update(strategy="appo", dynamic_sampling=True),
                 c.algo.update(num_minibatches=2)), "branch_timing='per_step'"),
+    (lambda c: (c.rollout.update(max_staleness=1), c.algo.update(loss={"clip_eps_high": 2.0})),
+     "unclipped importance weight"),
+    (lambda c: (c.rollout.update(strategy="appo", max_staleness=1),
+                c.algo.update(num_minibatches=2)), "needs the current policy"),
+    (lambda c: c.rollout.update(max_staleness=-1), "max_staleness=-1 must be an int"),
 ])
 def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
   c = _config("grpo")

@@ -18,10 +18,11 @@ from tree_rl.algos import registry
 from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
-from tree_rl.envs import FAMILIES, make_family
+from tree_rl.envs import FAMILIES, check_family_options, make_family
 from tree_rl.rewards.judge import JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.fleet import check_fleet
+from tree_rl.rollout.pipeline import check_async
 from tree_rl.rollout.strategies import STRATEGIES
 from tree_rl.rollout.strategies.trace import check_predictor
 
@@ -101,6 +102,8 @@ class TaskSpec:
   def __post_init__(self):
     _choice("task", "family", self.family, FAMILIES)
     _positive("task", num_train_tasks=self.num_train_tasks, num_eval_tasks=self.num_eval_tasks)
+    check_family_options(**{k: v for k, v in self.kwargs.items()  # every family's options
+                            if k in ("tool_latency_s", "max_tool_output_tokens")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +145,10 @@ class RolloutSpec:
   worker_num_cpus: float = 1.0
   worker_num_gpus: float = 0.0
   worker_timeout_s: float = 600.0
+  # Asynchronous rollouts (tree_rl.rollout.pipeline): a producer grows up to
+  # `max_staleness` steps ahead of the learner, so every trained token was sampled by a
+  # policy at most that many updates old; 0 is the synchronous loop.
+  max_staleness: int = 0
 
   def _check_fleet(self) -> None:
     """The fleet can split this rollout; Ray's per-worker settings only with backend='ray'."""
@@ -188,6 +195,7 @@ class RolloutSpec:
                        f"nothing of the GPU's {MEMORY_BUDGET} budget; lower it")
 
   def __post_init__(self):
+    _choice("rollout", "engine", self.engine, ENGINES)
     self._check_memory_shares()
     self._check_fleet()
     if not isinstance(self.dynamic_sampling, bool):
@@ -196,7 +204,6 @@ class RolloutSpec:
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
       raise ValueError(f"config.rollout.dynamic_sampling_extra_rounds={rounds!r} must be an "
                        f"int >= 0 (0: drop the flat groups, roll out nothing more)")
-    _choice("rollout", "engine", self.engine, ENGINES)
     _choice("rollout", "strategy", self.strategy, STRATEGIES)
     if self.strategy == "trace":  # the success predictor, by name (built by the trainer)
       kw = self.strategy_kwargs
@@ -383,6 +390,9 @@ class JudgeSpec:
   api_key_env: str = "OPENAI_API_KEY"  # the environment variable holding the token
   timeout_s: float = 30.0
   max_retries: int = 3
+  # Wall-clock limit of one judge call, votes, retries and backoff included (0: derived,
+  # JudgeConfig.call_budget_s: votes * ((1 + max_retries) * timeout_s + the backoffs)).
+  total_timeout_s: float = 0.0
   votes: int = 1
   temperature: float = 0.0
   max_tokens: int = 512
@@ -393,6 +403,9 @@ class JudgeSpec:
     if self.kind == "llm" and not (self.base_url and self.model):
       raise ValueError("config.judge.kind='llm' needs config.judge.base_url (an OpenAI-compatible "
                        "API root, e.g. http://127.0.0.1:8000/v1) and config.judge.model")
+    if self.total_timeout_s < 0:
+      raise ValueError(f"config.judge.total_timeout_s={self.total_timeout_s} must be >= 0 "
+                       "(0: derived from timeout_s and max_retries)")
     if self.kind == "llm":
       self.judge_config()  # validates the endpoint and the numbers
 
@@ -402,6 +415,7 @@ class JudgeSpec:
       return None
     return JudgeConfig(base_url=self.base_url, model=self.model, api_key_env=self.api_key_env,
                        timeout_s=self.timeout_s, max_retries=self.max_retries, votes=self.votes,
+                       total_timeout_s=self.total_timeout_s or None,
                        temperature=self.temperature, max_tokens=self.max_tokens,
                        cache_path=self.cache_path or None)
 
@@ -425,6 +439,7 @@ class RunConfig:
   keep_checkpoints: int = 2
   seed: int = 0
   resume: str = ""  # another run's checkpoint directory
+  _estimator: Any = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
   SECTIONS = {"model": ModelSpec, "task": TaskSpec, "rollout": RolloutSpec, "algo": AlgoSpec,
               "optim": OptimSpec, "sft": SFTSpec, "profile": ProfileSpec, "judge": JudgeSpec,
@@ -439,9 +454,15 @@ class RunConfig:
           "config.algo.estimator='awpo' needs a reasoning judge for R_reason: set "
           "config.judge.kind='rubric' (offline, graded against the task's oracle) or 'llm' "
           "with config.judge.base_url and config.judge.model (configs/awpo.py sets 'rubric')")
-    self.estimator_config()  # DAPO's overlong lengths must be able to fire in this run
+    # Built once (DAPO's lengths may build the task family): validated here, kept for the run.
+    object.__setattr__(self, "_estimator", self._make_estimator_config())
     r = self.rollout  # the judge scores leaves in the trainer, not on rollout workers
     check_fleet(r.backend, r.num_workers, r.strategy, r.engine, leaf_rewards=bool(self.judge.kind))
+    timing = r.strategy_kwargs.get("branch_timing", STRATEGIES["appo"].branch_timing)
+    check_async(r.max_staleness,  # AWPO's estimator sets its own radius (Eq. 29)
+                None if self.algo.estimator == "awpo" else self.algo.loss_config().clip_eps_high,
+                per_minibatch=(r.strategy == "appo" and self.algo.num_minibatches > 1
+                               and timing == "per_minibatch"))
 
   def max_turns(self) -> int:
     """Assistant steps an episode can take in this run, by the agent loop's rule: PORTool's
@@ -473,6 +494,10 @@ class RunConfig:
     return r.max_context_tokens, f"{window}, below {steps}"
 
   def estimator_config(self) -> Any:
+    """The advantage estimator's config (see `_make_estimator_config`), built at validation."""
+    return self._estimator
+
+  def _make_estimator_config(self) -> Any:
     """The advantage estimator's config: algo.estimator_kwargs over the estimator's defaults,
     with DAPO's overlong lengths fitted to this run (arXiv 2503.14476 §3.4, Eq. 13; DAPOConfig;
     docs/methods/dapo.md#overlong-lengths-from-the-response-budget): unless set,
@@ -504,7 +529,7 @@ class RunConfig:
   def from_config_dict(cls, config: Any) -> "RunConfig":
     """Validates a ConfigDict (or a plain dict) and returns the typed configuration."""
     values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    top = {f.name for f in dataclasses.fields(cls)}
+    top = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - top)
     if unknown:
       raise ValueError(f"config: unknown key(s) {unknown}; valid keys: {sorted(top)}")

@@ -105,10 +105,17 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def check_supported(rollout_engine: str, strategy: str, backend: str = "local") -> None:
+def check_supported(rollout_engine: str, strategy: str, backend: str = "local",
+                    max_staleness: int = 0) -> None:
   """Fails at start-up on what a multi-process run cannot do yet, naming the field."""
   if jax.process_count() == 1:
     return
+  if max_staleness:
+    raise ValueError(f"config.rollout.max_staleness={max_staleness}: every process of a "
+                     f"{jax.process_count()}-process run grows the whole step and keeps its "
+                     f"share, so the trees must be identical everywhere, but an asynchronous "
+                     f"producer loads new weights at times that differ between processes; "
+                     f"set rollout.max_staleness=0")
   if backend != "local":
     raise ValueError(f"config.rollout.backend={backend!r}: every process of a "
                      f"{jax.process_count()}-process run rolls out the whole step itself, so "

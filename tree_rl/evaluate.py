@@ -25,7 +25,7 @@ import collections
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tree_rl.envs.base import Message, Task
 from tree_rl.envs.episode import EpisodeRecord, Family, Policy, run_episodes
@@ -150,7 +150,8 @@ def compute_metrics(records: Sequence[EpisodeRecord], num_samples: int,
 
 def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_samples: int = 1,
              pass_k: Sequence[int] = (1,), judge: LLMJudge | None = None,
-             max_turns: int | None = None, max_workers: int = 8) -> EvalReport:
+             max_turns: int | None = None, max_workers: int = 8,
+             encode: Callable[[str], Sequence[int]] | None = None) -> EvalReport:
   """Runs `num_samples` episodes per task and reports accuracy, tool steps, unanswerable
   rate, formatting, reward, pass@k and per-difficulty accuracy.
 
@@ -163,6 +164,7 @@ def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_sampl
     judge: score outcomes with this judge (its judge/* counters join the metrics).
     max_turns: None uses `family.max_turns`.
     max_workers: parallel tool execution and judging.
+    encode: the policy's tokenizer, which tool replies are capped in (see `run_episodes`).
 
   Returns:
     The report.
@@ -174,7 +176,7 @@ def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_sampl
   if len(set(ids)) != len(ids):
     raise ValueError("task ids must be unique within an evaluation")
   records = run_episodes(family, tasks, policy, num_samples=num_samples, max_turns=max_turns,
-                         judge=judge, max_workers=max_workers)
+                         judge=judge, max_workers=max_workers, encode=encode)
   metrics = compute_metrics(records, num_samples, pass_k)
   if judge is not None:
     metrics.update(judge.metrics())
@@ -283,4 +285,5 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   engine = JaxSampler(policy, rows=rows or 16, slots=max_context_tokens, tokenizer=tokenizer,
                       eos_ids=chat.eos_ids)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or 160)
-  return evaluate(family, tasks, engine_policy(engine, chat, greedy), max_turns=max_turns)
+  return evaluate(family, tasks, engine_policy(engine, chat, greedy), max_turns=max_turns,
+                  encode=chat.encode)

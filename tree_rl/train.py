@@ -14,10 +14,12 @@ The sections below keep the same banners in every trainer.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pathlib
 import signal
+import time
 from typing import Any
 
 import jax
@@ -44,6 +46,7 @@ from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
 from tree_rl.rollout.fleet import run_fleet
 from tree_rl.rollout.jax_sampler import JaxSampler
+from tree_rl.rollout.pipeline import Produced, RolloutPipeline, VersionedEngine, staleness
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
 from tree_rl.tree.batch import Buckets, pack
@@ -79,16 +82,18 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
 
 def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
                          state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
-                         key: jax.Array, timer: metrics_lib.PhaseTimer):
+                         key: jax.Array, timer: metrics_lib.PhaseTimer, version: Any):
   """One APPO step in the paper's order (arXiv 2606.12384, §3.2 and App. I, Algorithm 1;
   docs/methods/appo.md#branch-timing): N initial rollouts of
   every prompt under the step's starting policy; then per mini-batch k, branch its
   prompts' rollouts with the current policy theta_k (branch points scored and
   branches sampled after the weights of update k - 1 are synced) and update on them.
 
-  Returns (state, trees, trees without leaves, metrics averaged over the mini-batches).
+  Returns (state, trees, trees without leaves, metrics averaged over the mini-batches,
+  each mini-batch's (trees, the policy version that trained them)).
   """
   parts: list[dict[str, Any]] = []
+  trained: list[tuple[list, int]] = []
   n_empty = 0
   with agent.open_forest(tasks) as forest:
     with timer("rollout"):
@@ -99,7 +104,9 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
         sync(state)
       with timer("rollout"):
         strategy.branch(forest, ids)
-      batch, empty = pack_fn(forest.take(ids))
+      part_trees = forest.take(ids)
+      trained.append((part_trees, version()))
+      batch, empty = pack_fn(part_trees)
       n_empty += empty
       if batch is not None:
         with timer("update"):
@@ -107,7 +114,7 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
           parts.append(jax.device_get(m))
     trees = agent.close_forest(forest)
   m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
-  return state, trees, n_empty, m
+  return state, trees, n_empty, m, trained
 
 
 def _check_vllm(cfg: RunConfig) -> str | None:
@@ -152,15 +159,26 @@ def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
                     log_file=str(workdir / "vllm_worker.log"))
 
 
-def _save(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any], strategy: Any
-          ) -> None:
-  """Saves the run. A strategy with learned state (TRACE's predictor) saves it too: the
-  JSON part in meta["method_state"], the arrays as the checkpoint's extra item."""
+def _method_state(strategy: Any) -> dict[str, Any] | None:
+  """A snapshot of a strategy's learned state (TRACE's predictor), or None."""
+  return copy.deepcopy(strategy.state_dict()) if hasattr(strategy, "state_dict") else None
+
+
+def _save(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any],
+          method: dict[str, Any] | None) -> None:
+  """Saves the run. A strategy's learned state as of the step's rollout (`_method_state`) is
+  saved too: the JSON part in meta["method_state"], the arrays as the checkpoint's extra."""
   extra = None
-  if hasattr(strategy, "state_dict"):
-    method = strategy.state_dict()
+  if method is not None:
     meta["method_state"], extra = method["meta"], method["arrays"] or None
   ckpt.save(step, state, meta, extra=extra)
+
+
+def _owned(model: Decoder) -> Decoder:
+  """`model` on fresh buffers: the update donates the state's, and an asynchronous producer
+  still samples from this copy while the next update runs."""
+  graphdef, st = nnx.split(model)
+  return nnx.merge(graphdef, jax.device_put(st, may_alias=False))  # same placement, no compile
 
 
 def _restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str, Any]) -> None:
@@ -256,7 +274,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile
   apply_learner_memory_fraction(cfg.rollout)  # JAX's GPU share, or a clear error if too late
   distributed.initialize(cfg.distributed)  # several processes: joined before any device use
-  distributed.check_supported(cfg.rollout.engine, cfg.rollout.strategy, cfg.rollout.backend)
+  distributed.check_supported(cfg.rollout.engine, cfg.rollout.strategy, cfg.rollout.backend,
+                              cfg.rollout.max_staleness)
   primary = distributed.is_primary()  # process 0 writes the files; all compute the same
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
@@ -305,11 +324,15 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
   if r.engine == "vllm":
-    engine = _vllm_engine(cfg, state.model(), tokenizer, chat, workdir_path, vllm_python)
+    sampler = _vllm_engine(cfg, state.model(), tokenizer, chat, workdir_path, vllm_python)
   else:
-    engine = JaxSampler(placement.rollout_model(state.model()), rows=r.cache_rows,
-                        slots=r.max_context_tokens, tokenizer=tokenizer, eos_ids=chat.eos_ids,
-                        seed=cfg.seed)
+    sampler = JaxSampler(placement.rollout_model(_owned(state.model()) if r.max_staleness
+                                                 else state.model()),
+                         rows=r.cache_rows, slots=r.max_context_tokens, tokenizer=tokenizer,
+                         eos_ids=chat.eos_ids, seed=cfg.seed)
+  # Loads each published policy version between generate calls and stamps every sampled
+  # node with the version that sampled it (rollout/staleness_*).
+  engine = VersionedEngine(sampler)
   sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                             max_new_tokens=r.max_new_tokens)
   # The strategy scores branch points with the current policy: a model whose
@@ -324,7 +347,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       leaf_rewards=reasoning)
   # More rollout workers (rollout.backend, num_workers): a step's tasks split across them
   # by task; None: `agent` is the one worker. The trainer's engine still serves eval.
-  fleet = run_fleet(cfg, placement.rollout_model(state.model()), tokenizer, agent.config)
+  fleet = run_fleet(cfg, placement.rollout_model(state.model()), tokenizer, agent.config,
+                    {"log_file": str(workdir_path / "vllm_fleet.log")} if r.engine == "vllm"
+                    else None)
   buckets = _buckets(placement.trees_bucket(cfg.prompts_per_step, cfg.algo.num_minibatches))
   logging.info("%s", placement.geometry(cfg.prompts_per_step, buckets.trees[0]))
 
@@ -358,13 +383,25 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                     if r.dynamic_sampling else None)
 
   def sync_weights(state) -> None:
+    """Publishes `state` as the next policy version: loaded now (S = 0), or by the engine's
+    and the fleet's next call in the producer thread (S > 0)."""
     with timer("weight_sync"):
-      current = state.model()
+      current = _owned(state.model()) if r.max_staleness else state.model()
       rollout_copy = placement.rollout_model(current)  # gathered once per sync
-      engine.update_weights(rollout_copy)
-      if fleet is not None:  # one ray.put per version; every worker loads it
-        fleet.update_weights(rollout_copy, fleet.version + 1)
-      nnx.update(policy_model, nnx.state(current))
+      version = engine.published + 1
+
+      def load():
+        sampler.update_weights(rollout_copy)
+        nnx.update(policy_model, nnx.state(current))  # the branch scorer's policy
+
+      if r.max_staleness:
+        engine.publish(version, load)
+        if fleet is not None:
+          fleet.publish(rollout_copy, version)
+      else:
+        engine.load_now(version, load)
+        if fleet is not None:  # one ray.put per version; every worker loads it
+          fleet.update_weights(rollout_copy, version)
 
   # ============================== Evaluators ==============================
   greedy = SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
@@ -372,7 +409,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   def run_eval(stage: str, step: int) -> dict[str, float]:
     with timer("eval"):
       report = evaluate(family, eval_tasks, engine_policy(engine, chat, greedy),
-                        max_turns=r.max_turns or None)
+                        max_turns=r.max_turns or None, encode=chat.encode)
     m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
     meta["eval"][stage] = m
     writer.write(step, {f"eval/{k}": v for k, v in m.items()})
@@ -388,7 +425,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                            default=str, ensure_ascii=False) + "\n")
     return m
 
-  stop = _StopFlag()
+  stop, pipeline = _StopFlag(), None
   try:
     if "base" not in meta["eval"]:
       run_eval("base", 0)
@@ -418,35 +455,50 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
     # ============================== Train loop ==============================
     start, done = int(meta["step"]), 0
     base_key = jax.random.key(cfg.seed)
+
+    def produce(step: int, pos: int) -> Produced:
+      """Step `step`'s trees from data position `pos` (in the producer thread when S > 0).
+      Sampling depends only on (seed, step) (and the dynamic-sampling round), so a resumed
+      synchronous run samples the same trees."""
+      tasks_at = lambda i, n: [train_tasks[(pos + i + j) % len(train_tasks)] for j in range(n)]
+      step_key = jax.random.fold_in(base_key, step)
+      reseed = lambda k: (fleet or engine).reseed(jax.random.fold_in(step_key, k) if k
+                                                  else step_key)
+      t = time.perf_counter()
+      if per_minibatch:  # grown between the step's updates: here only its tasks, reseeded
+        reseed(0)
+        return Produced(step, tasks_at(0, cfg.prompts_per_step), pos + cfg.prompts_per_step)
+      got = dynamic_sampling.rollout_step(fleet or agent, tasks_at, cfg.prompts_per_step,
+                                          reseed, mixed_channels, r.dynamic_sampling_extra_rounds)
+      return Produced(step, got, pos + got.prompts, _method_state(strategy),
+                      time.perf_counter() - t)
+
+    # S = 0: each step's trees are grown when asked for; S > 0: a producer thread runs ahead.
+    pipeline = RolloutPipeline(produce, start + 1, cfg.num_steps, int(meta["data_position"]),
+                               r.max_staleness)
     for step in range(start + 1, cfg.num_steps + 1):
       prof = cfg.profile
       if prof.mode and step == prof.start_step:
         jax.profiler.start_trace(str(workdir_path / "profile"))
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        pos = int(meta["data_position"])
-        tasks_at = lambda i, n, pos=pos: [train_tasks[(pos + i + j) % len(train_tasks)]
-                                          for j in range(n)]
-        # Sampling depends only on (seed, step) (and the dynamic-sampling round), so a
-        # resumed run samples the same trees.
-        step_key = jax.random.fold_in(base_key, step)
-        reseed = lambda k, key=step_key: (fleet or engine).reseed(
-            jax.random.fold_in(key, k) if k else key)
         update_key = jax.random.fold_in(base_key, 10**6 + step)
         row: dict[str, float] = {}
+        with timer("rollout_wait" if r.max_staleness else "rollout"):
+          produced = pipeline.get(step)
+        if r.max_staleness:  # grown in the producer, overlapping earlier updates
+          row["time/rollout"] = produced.seconds
         if per_minibatch:
-          reseed(0)
-          state, trees, _, m = _appo_minibatch_step(
-              agent, strategy, tasks_at(0, cfg.prompts_per_step), cfg.algo.num_minibatches,
-              state, lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
+          state, trees, _, m, trained = _appo_minibatch_step(
+              agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
+              lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
               lambda trees: _pack(trees, minibatch_buckets, unscored), sync_weights, update_key,
-              timer)
+              timer, lambda: engine.published)
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
                                                     cfg.prompts_per_step)
+          method = _method_state(strategy)
         else:
-          with timer("rollout"):
-            got = dynamic_sampling.rollout_step(
-                fleet or agent, tasks_at, cfg.prompts_per_step, reseed, mixed_channels,
-                r.dynamic_sampling_extra_rounds)
+          got, method = produced.rollout, produced.method_state
+          trained = [(got.train, engine.published)]
           batch, _ = _pack(got.train, buckets, unscored)
           m = None
           if batch is None and mixed_channels is not None:
@@ -457,7 +509,8 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
             with timer("update"):
               state, m = update_step(fit(state, batch), batch, update_key)
               m = jax.device_get(m)
-        meta["data_position"] = pos + got.prompts  # every prompt consumed: resume stays exact
+        meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
+        row.update(staleness(trained))
         if m is not None:
           row.update({k: float(np.asarray(v)) for k, v in m.items()})
           for k in ("loss", "l2_grads"):
@@ -472,7 +525,9 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           "reward/outcome_mean": float(np.mean([lf.rewards["outcome"] for lf in leaves]))
           if leaves else float("nan"),
           "rollout/empty_trees": float(sum(not t.leaves for t in got.trees)), **timer.pop(),
-          **got.metrics(), **(fleet.metrics() if fleet is not None else {})})
+          **got.metrics(), **(fleet.metrics() if fleet is not None else {}),
+          **({"rollout/engine_restarts": float(sampler.restarts)}  # a vLLM worker's, in total
+             if hasattr(sampler, "restarts") else {})})
       if reasoning is not None:
         row.update(reasoning.step_metrics([lf.rewards for lf in leaves]))
       meta["step"] = step
@@ -482,14 +537,16 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.num_steps:
         run_eval(f"step{step}", step)
       if step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set:
-        _save(ckpt, step, state, meta, strategy)
+        _save(ckpt, step, state, meta, method)
       if stop.set:
         break
 
     if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
       run_eval("rl", cfg.num_steps)
-      _save(ckpt, cfg.num_steps, state, meta, strategy)
+      _save(ckpt, cfg.num_steps, state, meta, _method_state(strategy))
   finally:
+    if pipeline is not None:  # before the engines close under a producer mid-step
+      pipeline.close(interrupt=[engine.interrupt])
     stop.restore()
     ckpt.close()
     writer.close()

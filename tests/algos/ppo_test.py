@@ -199,3 +199,58 @@ def test_updates_move_the_policy_towards_rewarded_answers(estimator):
   end = float(np.mean(mass()[:, rewarded].sum(-1)))
   assert 0.1 < start < 0.4, start
   assert end > 0.6, (start, end)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "appo"])
+def test_the_bandit_still_learns_from_a_staleness_one_pipeline(estimator):
+  """The same bandit fed by `RolloutPipeline` with max_staleness=1: a producer thread
+  samples each step from the newest *published* policy while the learner trains on the
+  step before, so trees are one update old; the clipped ratio against their recorded
+  behaviour log-probs corrects them and the policy still moves onto the rewarded tokens."""
+  import threading  # noqa: PLC0415
+
+  from tree_rl.rollout.pipeline import Produced, RolloutPipeline, staleness  # noqa: PLC0415
+
+  model = Decoder(CFG, rngs=nnx.Rngs(0))
+  opt = optax.adam(3e-3)
+  est = registry.make_config("appo", n_init=8, budget=8) if estimator == "appo" else None
+  config = ppo.PPOConfig(estimator=estimator, estimator_config=est, num_epochs=1,
+                         num_minibatches=1, logprob_chunk=64)
+  state = ppo.init_state(model, opt)
+  step = jax.jit(ppo.make_update_step(config, opt), donate_argnums=0)
+  prompts = np.random.default_rng(0).integers(3, 64, (8, 4))
+  rewarded = np.zeros(64, bool)
+  rewarded[3:19] = True
+  lock = threading.Lock()
+  published = {"version": 0, "mass": np.asarray(_next_token_probs(state, prompts), np.float64)}
+
+  def produce(k, pos):  # the producer: the newest published policy, at its version
+    with lock:
+      version, mass = published["version"], published["mass"]
+    rng = np.random.default_rng(k)
+    trees = []
+    for prompt, dist in zip(prompts, mass):
+      tree = RolloutTree.new(prompt.tolist())
+      for tok in rng.choice(64, size=8, p=dist / dist.sum()):
+        node = tree.add_node(0, NodeKind.POLICY, [int(tok)],
+                             logprobs=[float(np.log(dist[tok]))], version=version)
+        tree.add_leaf(node, {"outcome": float(rewarded[tok])})
+      trees.append(tree)
+    return Produced(k, trees, pos + len(trees))
+
+  start = float(np.mean(published["mass"][:, rewarded].sum(-1)))
+  pipe = RolloutPipeline(produce, 1, 12, 0, max_staleness=1)
+  ages = []
+  for k in range(1, 13):
+    trees = pipe.get(k).rollout
+    ages.append(staleness([(trees, published["version"])])["rollout/staleness_max"])
+    state, m = step(state, pack(trees, BUCKETS), jax.random.key(k))
+    assert np.isfinite(float(m["loss"]))
+    mass = np.asarray(_next_token_probs(state, prompts), np.float64)
+    with lock:
+      published.update(version=k, mass=mass)
+  pipe.close()
+  end = float(np.mean(mass[:, rewarded].sum(-1)))
+  assert max(ages) == 1 and ages.count(1) >= 6, ages  # it did train on stale trees
+  assert 0.1 < start < 0.4, start
+  assert end > 0.6, (start, end)

@@ -37,3 +37,34 @@ def test_toolworld_tool_subsets_keep_the_oracle_solvable():
   assert evaluate(family, tasks, replay_oracle_policy(tasks)).metrics["accuracy"] == 1.0
   # The full setting is unchanged: all 17 tools.
   assert len(make_family("toolworld").generate("train", 1, seed=5)[0].tool_names) == 17
+
+
+def test_tool_latency_delays_every_call_and_concurrent_calls_overlap():
+  import time  # noqa: PLC0415
+
+  from tree_rl.envs.episode import run_episodes  # noqa: PLC0415
+
+  latency = 0.4
+  family = make_family("search_qa", tool_latency_s=latency)
+  assert isinstance(family, TaskFamily) and family.name == "search_qa"
+  tasks = family.generate("train", 4, seed=0)
+  assert tasks == make_family("search_qa").generate("train", 4, seed=0)  # same tasks
+  plain = {t.name: t.timeout_s for t in make_family("search_qa").tools(tasks[0])}
+  assert {t.name: t.timeout_s - latency for t in family.tools(tasks[0])} == plain
+  # One oracle step per task: 4 episodes, one call each, run by the episode pool (the same
+  # `advance` over a thread pool that the agent loop's Forest uses).
+  start = time.monotonic()
+  records = run_episodes(family, tasks, replay_oracle_policy(tasks), max_turns=1,
+                         max_workers=4)
+  wall = time.monotonic() - start
+  results = [r for rec in records for s in rec.steps for r in s.results]
+  assert len(results) >= 4 and all(r.ok for r in results)
+  assert all(r.seconds >= latency for r in results)  # every call waited
+  assert wall >= latency
+  assert wall < 2.5 * latency, wall  # overlapped: one after the other would take >= 4x
+
+
+@pytest.mark.parametrize("bad", [-1.0, "1", float("nan"), True])
+def test_tool_latency_must_be_a_number_of_seconds(bad):
+  with pytest.raises(ValueError, match=r"task\.kwargs\.tool_latency_s"):
+    make_family("toolworld", tool_latency_s=bad)

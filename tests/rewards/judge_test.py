@@ -142,7 +142,7 @@ def test_two_500s_then_valid_comes_from_judge(server_factory):
       "false", -1.0, "judge", ("false",))
   assert server.num_requests == 3
   assert counts(judge) == {"requests": 3, "retries": 2, "failures": 0, "fallback_verifier": 0,
-                           "cache_hits": 0, "parse_errors": 0}
+                           "cache_hits": 0, "parse_errors": 0, "deadline_hits": 0}
   assert judge.metrics()["judge/mean_latency_s"] > 0
   body = server.bodies[-1]
   assert body["model"] == "judge" and body["temperature"] == 0.0
@@ -159,7 +159,7 @@ def test_all_failures_fall_back_to_verifier(server_factory):
   assert verdict.verifier_outcome.correct
   assert server.num_requests == 3
   assert counts(judge) == {"requests": 3, "retries": 2, "failures": 1, "fallback_verifier": 1,
-                           "cache_hits": 0, "parse_errors": 0}
+                           "cache_hits": 0, "parse_errors": 0, "deadline_hits": 0}
 
 
 def test_timeout_is_retried(server_factory):

@@ -116,8 +116,9 @@ def test_unsplittable_strategies_are_rejected(strategy, why):
     fleet_lib.check_fleet("dask", 1, "flat")
   with pytest.raises(ValueError, match="num_workers=0"):
     fleet_lib.check_fleet("ray", 0, "flat")
-  with pytest.raises(ValueError, match="engine='vllm'"):
-    fleet_lib.check_fleet("ray", 2, "flat", engine="vllm")
+  fleet_lib.check_fleet("ray", 2, "flat", engine="vllm")  # vLLM workers (vllm_fleet_test.py)
+  with pytest.raises(ValueError, match="engine='sglang'"):
+    fleet_lib.check_fleet("ray", 2, "flat", engine="sglang")
   with pytest.raises(ValueError, match="judge"):
     fleet_lib.check_fleet("local", 2, "flat", leaf_rewards=True)
 
@@ -196,6 +197,35 @@ def test_ray_fleet_matches_one_local_worker_and_tracks_versions(ray_local, spec_
     m = fleet.metrics()
     assert m[fleet_lib.PREFIX + "restarts"] == 1 and m[fleet_lib.PREFIX + "resends"] == 1
     assert fleet.versions() == [2, 2]
+  finally:
+    fleet.close()
+
+
+def test_a_silent_ray_worker_is_restarted_and_its_chunk_resent(ray_local, spec_and_model,
+                                                              oracle):
+  import time  # noqa: PLC0415
+
+  spec, model = spec_and_model
+  timeout_s = 20.0  # well above a chunk's time on a fresh actor (engine build + compile)
+
+  class Silent(fleet_lib.Worker):
+    """A worker that never answers a rollout (test-only: a hung sandbox or network)."""
+
+    def rollout(self, tasks, key_data):
+      time.sleep(3600)
+
+  fleet = fleet_lib.make_fleet("ray", spec, model, 2, num_cpus=1.0, timeout_s=timeout_s)
+  try:
+    # Worker 1 becomes silent; the fleet's own restart starts a real Worker in its place.
+    ray_local.kill(fleet.actors[1], no_restart=True)
+    fleet.actors[1] = ray_local.remote(num_cpus=1.0)(Silent).remote(fleet._spec, fleet._model)
+    start = time.monotonic()
+    got = _step(fleet, _tasks())
+    assert time.monotonic() - start >= timeout_s  # it waited for the silent worker
+    assert _shape(got.trees) == oracle[0]  # every tree, the same as one local worker's
+    m = fleet.metrics()
+    assert m[fleet_lib.PREFIX + "restarts"] == 1 and m[fleet_lib.PREFIX + "resends"] == 1
+    assert fleet.versions() == [0, 0]  # the restarted worker answers
   finally:
     fleet.close()
 

@@ -41,8 +41,10 @@ def sent(monkeypatch):
   box = {}
 
   def start(self, python, config, env, log_file, timeout):
-    del self, python, env, log_file, timeout
+    del python, env, log_file, timeout
     box["config"] = dict(config)
+    # What a real worker reports at start-up.
+    self.info = {"weight_transfer": "in_place", "vllm_version": "fake", "pid": 0}
     return _Recorded(config)
 
   monkeypatch.setattr(VLLMEngine, "_start", start)
@@ -95,5 +97,5 @@ def test_worker_passes_the_utilization_to_vllm(monkeypatch):
 
   config = dict(model_dir="/m", max_model_len=64, gpu_memory_utilization=0.35,
                 enforce_eager=True, in_process_engine=False)
-  assert server._build(config) == "llm"
+  assert server._build(config) == ("llm", "in_place")  # a fake vllm has no transfer API
   assert got["gpu_memory_utilization"] == 0.35

@@ -216,6 +216,91 @@ def render_tool_prompt(tools: Sequence[Tool], preamble: str, finish: str) -> str
                                      finish=finish.strip())
 
 
+# Tool replies longer than this many tokens are cut (a family's `max_tool_output_tokens`).
+DEFAULT_MAX_TOOL_OUTPUT_TOKENS = 512
+# The marker alone takes ~10 tokens; a cap below this would leave no room for the reply.
+MIN_TOOL_OUTPUT_TOKENS = 32
+# Without a tokenizer a token is taken to be this many characters (a rough English average).
+CHARS_PER_TOKEN = 4
+# Characters per token no tokenizer exceeds in practice: with a tokenizer, text past
+# max_tokens * this is cut before it is tokenized, so a 1 MB reply costs no 1 MB encode.
+MAX_CHARS_PER_TOKEN = 16
+
+
+def truncation_marker(cut_chars: int) -> str:
+  """The text that ends a cut tool reply: how much the model did not see, so it can learn
+  to ask for less (a narrower query, a shorter print)."""
+  return f"\n... [truncated: {cut_chars} more characters]"
+
+
+def check_max_tool_output_tokens(value: Any, where: str = "max_tool_output_tokens") -> int:
+  """`value` as a token cap; a ValueError naming `where` unless it is an int >= 32."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < MIN_TOOL_OUTPUT_TOKENS:
+    raise ValueError(f"{where}={value!r} must be an integer >= {MIN_TOOL_OUTPUT_TOKENS} "
+                     f"(the truncation marker alone takes about 10 tokens)")
+  return value
+
+
+def family_max_tool_output_tokens(family: Any) -> int:
+  """The tool reply cap of `family`: its `max_tool_output_tokens` attribute (set by
+  `make_family`), else DEFAULT_MAX_TOOL_OUTPUT_TOKENS (families built directly, in tests)."""
+  value = getattr(family, "max_tool_output_tokens", DEFAULT_MAX_TOOL_OUTPUT_TOKENS)
+  return check_max_tool_output_tokens(value, f"{type(family).__name__}.max_tool_output_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolOutputCap:
+  """Cuts one tool reply to at most `max_tokens` tokens, ending it with `truncation_marker`.
+
+  A tool reply becomes env tokens in the context, so one huge reply (a 1 MB search
+  result, a print in a loop) would fill the window in one step. Both harnesses cap
+  every reply (successes and errors) with the same cap, built from the same tokenizer,
+  so evaluation and training show the model the same text: the rollout (`Forest`)
+  with its chat format's `encode`, the evaluation harness (`run_episodes`) with the
+  `encode` its caller passes.
+
+  With `encode`, the kept part is the longest prefix whose text plus marker encodes to
+  at most `max_tokens` tokens (a binary search over the prefix length; text past
+  `max_tokens * MAX_CHARS_PER_TOKEN` characters is dropped before any encoding).
+  Without one, `max_tokens * CHARS_PER_TOKEN` characters stand in for the token count.
+  The count is of the reply alone: inside the chat template, merges across its edges
+  may shift it by a token.
+
+  Attributes:
+    max_tokens: the cap (>= MIN_TOOL_OUTPUT_TOKENS).
+    encode: text -> token ids (without special tokens); None: count characters.
+  """
+
+  max_tokens: int = DEFAULT_MAX_TOOL_OUTPUT_TOKENS
+  encode: Callable[[str], Sequence[int]] | None = None
+
+  def __post_init__(self):
+    check_max_tool_output_tokens(self.max_tokens)
+
+  def _cut(self, text: str, keep: int) -> str:
+    return text[:keep] + truncation_marker(len(text) - keep)
+
+  def __call__(self, text: str) -> str:
+    """`text` if it fits, else its longest fitting prefix followed by the marker."""
+    if self.encode is None:
+      limit = self.max_tokens * CHARS_PER_TOKEN
+      if len(text) <= limit:
+        return text
+      # The marker of the largest possible cut is at least as long as the real one.
+      return self._cut(text, max(0, limit - len(truncation_marker(len(text)))))
+    limit = self.max_tokens * MAX_CHARS_PER_TOKEN
+    if len(text) <= limit and len(self.encode(text)) <= self.max_tokens:
+      return text
+    lo, hi = 0, min(len(text), limit)
+    while lo < hi:  # the largest prefix that fits (0 fits: the marker alone is ~10 tokens)
+      mid = (lo + hi + 1) // 2
+      if len(self.encode(self._cut(text, mid))) <= self.max_tokens:
+        lo = mid
+      else:
+        hi = mid - 1
+    return self._cut(text, lo)
+
+
 def render_tool_output(value: Any) -> str:
   """The tool message text of a tool's return value: strings as they are, else JSON."""
   if isinstance(value, str):

@@ -26,7 +26,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tree_rl.envs.base import Message, Outcome, ParsedStep, Task, ToolResult
+from tree_rl.envs.base import (Message, Outcome, ParsedStep, Task, ToolOutputCap, ToolResult,
+                               family_max_tool_output_tokens)
 from tree_rl.envs.executor import ToolExecutor, tool_message
 from tree_rl.envs.parsing import parse_step
 from tree_rl.rewards.formatting import formatting_raw
@@ -128,7 +129,8 @@ def advance(episode: OpenEpisode, text: str) -> None:
 
 def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
                  num_samples: int = 1, max_turns: int | None = None,
-                 judge: LLMJudge | None = None, max_workers: int = 8) -> list[EpisodeRecord]:
+                 judge: LLMJudge | None = None, max_workers: int = 8,
+                 encode: Callable[[str], Sequence[int]] | None = None) -> list[EpisodeRecord]:
   """Runs `num_samples` episodes of every task, all advancing together turn by turn.
 
   Args:
@@ -141,6 +143,9 @@ def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
     judge: when given, outcomes come from `judge.judge_outcome` (concurrently) instead of
       `family.score`.
     max_workers: episodes whose tool calls run at the same time, and concurrent judgements.
+    encode: the policy's tokenizer (text -> ids, `ChatFormat.encode`): every tool reply is
+      cut to the family's `max_tool_output_tokens` tokens of it, as in the rollout; None
+      counts 4 characters a token (scripted policies without a tokenizer).
 
   Returns:
     One record per episode, ordered by (task, sample).
@@ -154,9 +159,10 @@ def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
     raise ValueError(f"max_turns, num_samples and max_workers must be >= 1, got "
                      f"{max_turns}, {num_samples}, {max_workers}")
   episodes = []
+  cap = ToolOutputCap(family_max_tool_output_tokens(family), encode)
   for task in tasks:
     tools = family.tools(task)
-    executor = ToolExecutor(tools, max_workers=max_workers)
+    executor = ToolExecutor(tools, max_workers=max_workers, output_cap=cap)
     terminal = frozenset(t.name for t in tools if t.terminal)
     episodes.extend(OpenEpisode(task=task, sample_index=s, executor=executor, terminal=terminal,
                           messages=list(task.messages)) for s in range(num_samples))

@@ -22,16 +22,21 @@ In RL a lenient check teaches the policy that sloppy calls work.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 import queue
+import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tree_rl.envs.base import Message, Tool, ToolCall, ToolError, ToolResult
 from tree_rl.envs.base import render_tool_output, tool_error_text
+
+# One tool reply's content -> what the model reads (`base.ToolOutputCap`).
+OutputCap = Callable[[str], str]
 
 # JSON-schema type names, with BFCL's Python-flavoured aliases.
 _TYPE_ALIASES = {"dict": "object", "float": "number", "list": "array", "tuple": "array"}
@@ -185,6 +190,20 @@ def tool_message(result: ToolResult) -> Message:
   return {"role": "tool", "name": result.name or "unknown", "content": result.content}
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_unicode(text: str) -> str:
+  """`text` with every lone surrogate replaced by U+FFFD.
+
+  JSON may escape half of a surrogate pair ("\\ud800"); `json.loads` then yields a string
+  that is not valid Unicode, which a tool or an error message can echo back, and which no
+  tokenizer can encode (the rollout's glue and the reply cap would raise). Valid pairs
+  were already joined into one character by the JSON decoder.
+  """
+  return _LONE_SURROGATE.sub("\ufffd", text)
+
+
 def _failure(name: str | None, kind: ToolError, message: str, seconds: float = 0.0) -> ToolResult:
   return ToolResult(name=name, content=tool_error_text(kind, message), ok=False, error=kind,
                     seconds=float(seconds))
@@ -216,10 +235,13 @@ def _run_tool(fn: Any, arguments: dict[str, Any], slot: list[Any], index: int,
 class ToolExecutor:
   """Executes the calls of one step against a fixed set of tools."""
 
-  def __init__(self, tools: Sequence[Tool], max_workers: int = 8):
+  def __init__(self, tools: Sequence[Tool], max_workers: int = 8,
+               output_cap: OutputCap | None = None):
     """Args:
       tools: the tools offered; names must be unique.
       max_workers: most calls of one step running at the same time.
+      output_cap: applied to every result's content, errors included (a huge
+        argument echoed in an error is as long as a huge reply); None: no cap.
     """
     if max_workers < 1:
       raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -231,6 +253,7 @@ class ToolExecutor:
       if not t.timeout_s > 0:  # also rejects NaN; math.inf means no limit
         raise ValueError(f"tool '{t.name}' has timeout_s {t.timeout_s}; it must be > 0")
     self.max_workers = max_workers
+    self.output_cap = output_cap
 
   def _prepare(self, call: ToolCall) -> ToolResult | Tool:
     """The tool to run, or the failed result that answers the call without running it."""
@@ -259,8 +282,9 @@ class ToolExecutor:
       calls: the step's calls, as parsed (failed ones are answered, not run).
 
     Returns:
-      One ToolResult per call, in the same order. `seconds` is each call's wall
-      time (its timeout for a hung call).
+      One ToolResult per call, in the same order, its content made valid Unicode (see
+      `_valid_unicode`) and cut by `output_cap`. `seconds` is each call's wall time (its
+      timeout for a hung call).
 
     Raises:
       KeyboardInterrupt, SystemExit: when a tool raises one of them, as the
@@ -311,7 +335,11 @@ class ToolExecutor:
                                 f"'{tool.name}' did not return within {tool.timeout_s:g} s",
                                 now - start)
           del running[i]  # abandoned: the daemon thread may run on, nobody waits for it
-    return [r for r in results if r is not None]
+    out = [dataclasses.replace(r, content=_valid_unicode(r.content)) for r in results
+           if r is not None]
+    if self.output_cap is None:
+      return out
+    return [dataclasses.replace(r, content=self.output_cap(r.content)) for r in out]
 
   def _finish(self, tool: Tool, kind: str, payload: Any, seconds: float) -> ToolResult:
     """The ToolResult of a call that returned or raised."""

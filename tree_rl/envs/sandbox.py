@@ -3,7 +3,7 @@
 The `python` tool of the math family (and any family that lets the policy run
 code) calls `run_python`. The code runs in a fresh interpreter (`python -I -B`,
 a clean environment, its own session) whose working directory is a private
-temporary directory, deleted afterwards. Two layers keep it in bounds:
+temporary directory, deleted afterwards. Three layers keep it in bounds:
 
   - Kernel limits, set by the child before the user code starts: CPU time
     (SIGXCPU, then SIGKILL one second later), address space (so allocation
@@ -12,6 +12,9 @@ temporary directory, deleted afterwards. Two layers keep it in bounds:
     too), open files, processes (0: for a non-root user not even threads) and
     no core dumps. The parent kills the whole process group at the wall-clock
     limit; output never goes through a pipe, so it cannot block the parent.
+  - The parent measures the private directory while the code runs (every 5 to 50 ms)
+    and kills the process group when it holds more than `max_disk_mb` or
+    `max_files`: RLIMIT_FSIZE bounds one file, not how many are written.
   - An audit hook (PEP 578) installed by a small bootstrap before the user code:
     it denies sockets, process creation and signalling other processes,
     loading libraries, foreign calls and raw memory access through ctypes
@@ -19,15 +22,20 @@ temporary directory, deleted afterwards. Two layers keep it in bounds:
     reading files outside the private directory and the Python installation's
     import paths, opening directories or writing anywhere outside the private
     directory, and changing directory. We may run as root, where RLIMIT_NPROC
-    is not enforced, so the hook is what stops fork bombs.
+    is not enforced, so the hook is what stops fork bombs. Calls that reach
+    other processes without raising an audit event (`os.pidfd_open` with
+    `signal.pidfd_send_signal`, which could kill the parent, and the
+    `setpriority`/`sched_*` calls) are replaced by stubs that raise.
 
 Python code cannot remove an audit hook, and the hook keeps every function it
 calls in closure cells (so monkeypatching `os` or `builtins` cannot blind it)
 and denies `gc` walks that could reach those cells. This is sound enough for a
 policy model's code, which is not trying to escape. It is NOT a security
 boundary against an adversarial human: unaudited C-level paths exist (an
-`os.stat` probe, out-of-bounds ctypes pointer indexing, a crafted extension
-module), so run untrusted human code in a container or VM instead.
+`os.stat` probe of any path, out-of-bounds ctypes pointer indexing, a crafted
+extension module), and no network or file rule is kernel-enforced (no
+namespace, seccomp or separate user), so run untrusted human code in a
+container or VM instead. `tests/faults/sandbox_test.py` checks each escape.
 """
 
 from __future__ import annotations
@@ -54,6 +62,24 @@ import _posixsubprocess
 def _no_process(*args, **kwargs):
   raise PermissionError("creating processes is disabled in the sandbox")
 
+def _no_other_process(*args, **kwargs):
+  raise PermissionError("acting on other processes is disabled in the sandbox")
+
+# Functions that reach another process and raise no audit event: a pidfd lets
+# signal.pidfd_send_signal kill the parent (os.kill is audited, this is not), and the
+# scheduling calls re-prioritise any process. They are replaced in the modules that
+# hold them (re-importing `posix` or `_signal` for fresh copies is denied by the hook).
+_UNAUDITED = (("posix", "pidfd_open"), ("posix", "setpriority"),
+              ("posix", "sched_setaffinity"), ("posix", "sched_setscheduler"),
+              ("posix", "sched_setparam"), ("_signal", "pidfd_send_signal"))
+
+def _remove_unaudited():
+  for module_name, attr in _UNAUDITED:
+    for module in (sys.modules.get(module_name), os if module_name == "posix" else None,
+                   sys.modules.get("signal") if module_name == "_signal" else None):
+      if module is not None and hasattr(module, attr):
+        setattr(module, attr, _no_other_process)
+
 def _install(work, read_roots):
   # Everything the hook uses is bound here, so user code cannot patch it away.
   lstat, stat_, readlink, getcwd, fsdecode, fspath = (
@@ -67,7 +93,7 @@ def _install(work, read_roots):
   processes = frozenset(("os.fork", "os.forkpty", "os.system", "subprocess.Popen",
                          "os.killpg", "pty.spawn"))
   # Re-importing these would give fresh, unpatched functions.
-  guarded_imports = frozenset(("_posixsubprocess", "posix"))
+  guarded_imports = frozenset(("_posixsubprocess", "posix", "_signal"))
   # numpy and sympy import ctypes (which dlopens the main program): allow that,
   # deny loading libraries, symbol lookup, foreign calls and raw memory access.
   ctypes_ok = frozenset(("ctypes.addressof", "ctypes.get_errno", "ctypes.set_errno",
@@ -197,6 +223,8 @@ def _main():
   source = cfg["code"]
   linecache.cache["main.py"] = (len(source), None, source.splitlines(True), "main.py")
   _posixsubprocess.fork_exec = _no_process
+  import signal  # loaded now, so that _remove_unaudited patches the module user code gets
+  _remove_unaudited()
   prefixes = [os.path.realpath(p) + "/" for p in
               {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}]
   roots = tuple(sorted({os.path.realpath(p) for p in sys.path
@@ -260,6 +288,11 @@ class SandboxLimits:
     max_file_mb: largest file the code (or its stdout/stderr) may write, in MiB.
     max_output_chars: stdout and stderr are each cut to this many characters.
     max_open_files: RLIMIT_NOFILE.
+    max_disk_mb: most MiB the private directory may hold (allocated blocks). RLIMIT_FSIZE
+      bounds one file only, so the parent measures the directory while the code runs and
+      kills it past this (or past `max_files`); a fast writer may overshoot by what it
+      writes in one poll interval (at most 50 ms).
+    max_files: most files and directories the private directory may hold.
   """
 
   cpu_s: int | float = 5
@@ -268,6 +301,8 @@ class SandboxLimits:
   max_file_mb: int = 8
   max_output_chars: int = 4000
   max_open_files: int = 64
+  max_disk_mb: int = 64
+  max_files: int = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,9 +338,61 @@ def _read_output(path: str, max_chars: int) -> tuple[str, int]:
   return text, size
 
 
+def _disk_usage(path: str, max_entries: int) -> tuple[int, int]:
+  """(bytes allocated, entries) under `path`, links not followed; stops counting past
+  `max_entries` entries, so a directory of a million files costs one bounded walk."""
+  used, entries, todo = 0, 0, [path]
+  while todo and entries <= max_entries:
+    try:
+      listing = os.scandir(todo.pop())
+    except OSError:  # removed meanwhile, or not a directory any more
+      continue
+    with listing:
+      for entry in listing:
+        entries += 1
+        if entries > max_entries:
+          break
+        try:
+          used += entry.stat(follow_symlinks=False).st_blocks * 512
+          if entry.is_dir(follow_symlinks=False):
+            todo.append(entry.path)
+        except OSError:
+          pass
+  return used, entries
+
+
+def _over_disk(limits: SandboxLimits, work: str) -> bool:
+  used, entries = _disk_usage(work, limits.max_files)
+  return used > limits.max_disk_mb * 2**20 or entries > limits.max_files
+
+
+def _wait(proc: subprocess.Popen, limits: SandboxLimits, work: str) -> tuple[bool, bool]:
+  """Waits for the child up to the wall limit, measuring its directory meanwhile.
+
+  Returns (timed out, over the disk budget); in both cases the child still runs (the
+  caller kills its process group). Polls every 5 ms at first, then every 50 ms, so a
+  short run pays almost no latency.
+  """
+  deadline, interval = time.monotonic() + limits.wall_s, 0.005
+  while True:
+    try:
+      proc.wait(timeout=max(0.0, min(interval, deadline - time.monotonic())))
+      return False, _over_disk(limits, work)
+    except subprocess.TimeoutExpired:
+      pass
+    if _over_disk(limits, work):
+      return False, True
+    if time.monotonic() >= deadline:
+      return True, False
+    interval = min(2 * interval, 0.05)
+
+
 def _error(limits: SandboxLimits, returncode: int | None, timed_out: bool,
-           status: dict, output_bytes: int) -> str | None:
+           status: dict, output_bytes: int, over_disk: bool = False) -> str | None:
   """The one-line reason of a failed run; None when it succeeded."""
+  if over_disk:
+    return (f"disk limit of {limits.max_disk_mb:g} MB or {limits.max_files} files exceeded "
+            f"in the private directory")
   if timed_out:
     return f"wall-clock limit of {limits.wall_s:g} s exceeded"
   if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
@@ -359,17 +446,15 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
            "TMPDIR": work, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
-    timed_out = False
+    timed_out = over_disk = False
     with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
       command = [sys.executable, "-I", "-B", paths["boot.py"], paths["config.json"]]
       proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
                               stderr=err, start_new_session=True, close_fds=True)
       try:
-        proc.wait(timeout=limits.wall_s)
-      except subprocess.TimeoutExpired:
-        timed_out = True
+        timed_out, over_disk = _wait(proc, limits, work)
       finally:
-        if proc.returncode is None:  # timed out, or the parent was interrupted
+        if proc.returncode is None:  # timed out, over the disk budget, or interrupted
           try:
             os.killpg(proc.pid, signal.SIGKILL)  # its session: the child and anything it made
           except ProcessLookupError:
@@ -383,8 +468,9 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
       status = status if isinstance(status, dict) else {}
     except (OSError, ValueError):
       status = {}
-    error = _error(limits, proc.returncode, timed_out, status, max(out_bytes, err_bytes))
-    ok = not timed_out and proc.returncode == 0 and error is None
+    error = _error(limits, proc.returncode, timed_out, status, max(out_bytes, err_bytes),
+                   over_disk)
+    ok = not timed_out and not over_disk and proc.returncode == 0 and error is None
     return SandboxResult(ok=ok, stdout=stdout, stderr=stderr, error=error,
                          returncode=proc.returncode, seconds=time.monotonic() - start)
   finally:

@@ -5,14 +5,19 @@ per-layer HF tensors stack into tree_rl's `[layers, ...]` parameters and HF's
 `[out, in]` projection weights transpose into `[in, out]` kernels. Export
 runs the table backwards, merging LoRA into the base kernels first, and
 writes a folder that `transformers` and vLLM load (safetensors, config.json,
-generation_config.json and the tokenizer files of the source model).
+generation_config.json and the tokenizer files of the source model) plus a marker
+file (`tree_rl_export.json`) by which a later export knows the folder is its own to
+replace: export never deletes a folder it did not write (`save_hf`).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -145,9 +150,105 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
   return out
 
 
-def save_hf(model: Decoder, folder: str | os.PathLike, tokenizer_from: str | None = None) -> str:
-  """Writes an HF folder (atomically: a temp folder renamed into place)."""
+EXPORT_MARKER = "tree_rl_export.json"
+EXPORT_FORMAT = "tree_rl.hf_export"
+
+
+def _export_files(folder: str) -> list[str] | None:
+  """The files an earlier `save_hf` wrote to `folder`, from its marker; None if no export.
+
+  A marker that does not parse, or names another format, is not an export's.
+  """
+  try:
+    with open(os.path.join(folder, EXPORT_MARKER)) as f:
+      marker = json.load(f)
+  except (OSError, ValueError):
+    return None
+  if not isinstance(marker, dict) or marker.get("format") != EXPORT_FORMAT:
+    return None
+  files = marker.get("files")
+  if not isinstance(files, list):
+    return None
+  return [str(x) for x in files]
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+  shown = ", ".join(sorted(names)[:limit])
+  return shown + (f", ... ({len(names)} entries)" if len(names) > limit else "")
+
+
+def check_export_target(folder: str | os.PathLike) -> bool:
+  """Whether `save_hf` may write `folder`: True if it holds an earlier export (replaced),
+  False if it is absent or empty (created); raises if writing would destroy anything.
+
+  Raises:
+    FileExistsError: `folder` is a file, or a non-empty folder that is not an earlier
+      export (a run's workdir, a source model, ...), or an earlier export to which other
+      files were added since. The message names the folder and what is in it.
+  """
   folder = os.fspath(folder)
+  if not os.path.lexists(folder):
+    return False
+  if not os.path.isdir(folder) or os.path.islink(folder):
+    raise FileExistsError(f"refusing to export to {folder}: it exists and is not a folder")
+  present = os.listdir(folder)
+  if not present:
+    return False
+  written = _export_files(folder)
+  if written is None:
+    raise FileExistsError(
+        f"refusing to export to {folder}: it is not empty and not an earlier tree_rl export "
+        f"(no {EXPORT_MARKER}), and export would replace it; it holds {_listing(present)}. "
+        f"Choose a new or empty folder (e.g. a subfolder)")
+  extra = sorted(set(present) - set(written) - {EXPORT_MARKER})
+  if extra:
+    raise FileExistsError(
+        f"refusing to replace the earlier export in {folder}: it holds files the export did "
+        f"not write: {_listing(extra)}")
+  return True
+
+
+def _swap(new: str, old: str) -> bool:
+  """Atomically exchanges the folders `new` and `old` (Linux renameat2 RENAME_EXCHANGE);
+  False where the system cannot, leaving both untouched."""
+  if not sys.platform.startswith("linux"):
+    return False
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                        ctypes.c_uint]
+  if renameat2(at_fdcwd, os.fsencode(new), at_fdcwd, os.fsencode(old), rename_exchange) == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # kernel or filesystem lacks it
+    return False
+  raise OSError(err, f"exchanging {new} and {old}: {os.strerror(err)}")
+
+
+def save_hf(model: Decoder, folder: str | os.PathLike, tokenizer_from: str | None = None) -> str:
+  """Writes an HF folder, never destroying anything but an earlier export.
+
+  The folder holds model.safetensors, config.json, generation_config.json, the tokenizer
+  files of `tokenizer_from` and the marker `tree_rl_export.json`:
+  `{"format": "tree_rl.hf_export", "version": 1, "files": [<the other files written>]}`.
+  The marker is how a later export recognises the folder as its own to replace.
+
+  The export is written to a temporary sibling folder (`.export-*` next to `folder`) and
+  moved into place once complete: a new folder by a rename; an earlier export by an atomic
+  exchange of the two folders (on Linux; elsewhere the old one is renamed aside first), after
+  which the old export is removed. A failed export leaves `folder` as it was.
+
+  Raises:
+    FileExistsError: `folder` is not empty and is not an earlier export (e.g. a run's
+      workdir holding checkpoints/), or is an export with foreign files added; nothing is
+      touched (`check_export_target`).
+  """
+  folder = os.fspath(folder)
+  check_export_target(folder)  # fail before the (slow) write
   parent = os.path.dirname(os.path.abspath(folder))
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
@@ -168,9 +269,26 @@ def save_hf(model: Decoder, folder: str | os.PathLike, tokenizer_from: str | Non
           shutil.copy(os.path.join(tokenizer_from, name), os.path.join(tmp, name))
     with open(os.path.join(tmp, "generation_config.json"), "w") as f:
       json.dump(gen, f, indent=2)
-    if os.path.exists(folder):
-      shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    with open(os.path.join(tmp, EXPORT_MARKER), "w") as f:
+      json.dump({"format": EXPORT_FORMAT, "version": 1,
+                 "files": sorted(n for n in os.listdir(tmp) if n != EXPORT_MARKER)}, f, indent=2)
+    # Checked again just before the move: the folder may have changed during the write.
+    if not check_export_target(folder):
+      os.rename(tmp, folder)  # replaces an empty folder only (ENOTEMPTY if it filled since)
+    elif _swap(tmp, folder):
+      shutil.rmtree(tmp)  # tmp now holds the old export
+    else:
+      aside = tempfile.mkdtemp(prefix=".export-old-", dir=parent)
+      old = os.path.join(aside, "old")
+      os.rename(folder, old)
+      try:
+        os.rename(tmp, folder)
+      except BaseException:
+        os.rename(old, folder)
+        raise
+      finally:
+        if os.path.lexists(folder):
+          shutil.rmtree(aside, ignore_errors=True)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise

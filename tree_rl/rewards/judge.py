@@ -17,7 +17,10 @@ Two rubrics:
 
 Why the machinery: the judge runs inside the RL loop, so it must not stall it. Requests retry
 with capped exponential backoff on timeouts, connection errors, HTTP 429/5xx and unparseable
-replies (never on other 4xx, which a retry cannot fix); replies are cached by a hash of the
+replies (never on other 4xx, which a retry cannot fix); every request has a wall-clock limit
+(`timeout_s`, enforced by a watchdog that closes the socket, so a server trickling bytes
+cannot hold it open) and every judge call, its votes, retries and backoff together, a total
+one (`JudgeConfig.total_timeout_s`); replies are cached by a hash of the
 request, so re-judging the same episode is free; and when no endpoint is configured, or a
 judgement still fails, the verdict falls back to the task family's own verifier and says so
 (`source="verifier"`, `judge/fallback_verifier`). A caller that prefers to drop the query
@@ -35,9 +38,10 @@ import http.client
 import json
 import os
 import re
+import socket
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import Any
@@ -66,9 +70,15 @@ class JudgeConfig:
       to `{base_url}/chat/completions`). None: no judge, every verdict is the verifier's.
     model: the served model name; required with a base_url.
     api_key_env: environment variable holding the bearer token; unset sends no token.
-    timeout_s: per-request wall-clock limit.
+    timeout_s: per-request wall-clock limit, from connecting to the last byte of the reply
+      (not per socket read: a server that trickles bytes is cut off at timeout_s too).
     max_retries: retries after the first attempt (so at most 1 + max_retries requests).
     backoff_s, backoff_max_s: retry i sleeps min(backoff_max_s, backoff_s * 2**i).
+    total_timeout_s: wall-clock limit of one judge call (`judge_outcome`,
+      `judge_reasoning_verdict`): all its votes, retries and backoff sleeps. A call that
+      runs out stops asking, counts the votes it did not get as failed and falls back like
+      any failed judgement (`judge/deadline_hits` counts such calls). None: the time the
+      call takes when every request runs to timeout_s, `call_budget_s()`.
     votes: judgements per episode (k); PORTool's accuracy uses 5. Votes only differ with
       temperature > 0 (or a non-deterministic server).
     temperature, max_tokens: decoding settings of the judge.
@@ -87,6 +97,7 @@ class JudgeConfig:
   max_retries: int = 3
   backoff_s: float = 1.0
   backoff_max_s: float = 8.0
+  total_timeout_s: float | None = None
   votes: int = 1
   temperature: float = 0.0
   max_tokens: int = 512
@@ -106,6 +117,8 @@ class JudgeConfig:
               (self.max_retries >= 0, "max_retries must be >= 0"),
               (self.backoff_s >= 0, "backoff_s must be >= 0"),
               (self.backoff_max_s >= self.backoff_s, "backoff_max_s must be >= backoff_s"),
+              (self.total_timeout_s is None or self.total_timeout_s > 0,
+               "total_timeout_s must be > 0 (or None: derived)"),
               (self.votes >= 1, "votes must be >= 1"),
               (self.temperature >= 0, "temperature must be >= 0"),
               (self.max_tokens >= 1, "max_tokens must be >= 1")]
@@ -115,6 +128,21 @@ class JudgeConfig:
     if self.truncated_label not in TRUNCATED_LABELS:
       raise ValueError(f"JudgeConfig.truncated_label must be one of {TRUNCATED_LABELS}, "
                        f"got {self.truncated_label!r}")
+
+  def backoff(self, retry: int) -> float:
+    """The sleep before retry `retry` (1-based)."""
+    return min(self.backoff_max_s, self.backoff_s * 2 ** (retry - 1))
+
+  def call_budget_s(self) -> float:
+    """The wall-clock limit of one judge call: total_timeout_s, else the worst case of a
+    server that answers every request just inside timeout_s, votes * ((1 + max_retries) *
+    timeout_s + the backoff sleeps); so the total only ever cuts a call that the
+    per-request limits would not."""
+    if self.total_timeout_s is not None:
+      return self.total_timeout_s
+    per_vote = ((1 + self.max_retries) * self.timeout_s
+                + sum(self.backoff(i) for i in range(1, self.max_retries + 1)))
+    return self.votes * per_vote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,10 +372,11 @@ def weighted_score(tiers: dict[str, float]) -> float:
 class _ReplyError(Exception):
   """A request that failed; `retry` says whether another attempt can help."""
 
-  def __init__(self, message: str, retry: bool, parse: bool = False):
+  def __init__(self, message: str, retry: bool, parse: bool = False, cut: bool = False):
     super().__init__(message)
     self.retry = retry
     self.parse = parse
+    self.cut = cut  # ran out of time (its limit, or the call's)
 
 
 class LLMJudge:
@@ -396,14 +425,17 @@ class LLMJudge:
       return self._outcome_from_verifier(task, episode, truncated, failed_votes=0)
     messages = outcome_messages(task, episode, truncated,
                                 include_answer=self.config.include_answer)
+    deadline = _Deadline(self.config.call_budget_s())
     labels, fresh, failed = [], False, 0
     for vote in range(self.config.votes):
-      result = self._ask(messages, vote, parse_outcome_label)
+      result = self._ask(messages, vote, parse_outcome_label, deadline)
       if result is None:
         failed += 1
       else:
         labels.append(result[0])
         fresh |= not result[1]
+    if deadline.hit:
+      self._count("deadline_hits")
     if not labels:
       return self._outcome_from_verifier(task, episode, truncated, failed_votes=failed)
     label = majority_label(labels)
@@ -415,15 +447,18 @@ class LLMJudge:
     """AWPO's reasoning score with its details; see `judge_reasoning`."""
     if self.config.base_url is not None:
       messages = reasoning_messages(task, episode, reference_cot)
+      deadline = _Deadline(self.config.call_budget_s())
       scores, dims, fresh = [], collections.defaultdict(list), False
       for vote in range(self.config.votes):
-        result = self._ask(messages, vote, parse_reasoning_tiers)
+        result = self._ask(messages, vote, parse_reasoning_tiers, deadline)
         if result is not None:
           tiers, cached = result
           scores.append(weighted_score(tiers))
           for name, value in tiers.items():
             dims[name].append(value)
           fresh |= not cached
+      if deadline.hit:
+        self._count("deadline_hits")
       if scores:
         return ReasoningVerdict(score=sum(scores) / len(scores), votes=tuple(scores),
                                 dimensions={k: sum(v) / len(v) for k, v in dims.items()},
@@ -458,11 +493,12 @@ class LLMJudge:
   def metrics(self) -> dict[str, float]:
     """Counters since construction: requests, retries, failures (judgements that failed
     after all retries), fallback_verifier (verdicts from the verifier), cache_hits,
-    parse_errors and the mean request latency."""
+    parse_errors, deadline_hits (judge calls cut short by total_timeout_s) and the mean
+    request latency."""
     with self._lock:
       c = self._counts
       names = ("requests", "retries", "failures", "fallback_verifier", "cache_hits",
-               "parse_errors")
+               "parse_errors", "deadline_hits")
       out = {f"judge/{name}": float(c[name]) for name in names}
       out["judge/mean_latency_s"] = self._latency_total / c["requests"] if c["requests"] else 0.0
     return out
@@ -494,8 +530,10 @@ class LLMJudge:
                       sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
-  def _ask(self, messages: list[Message], vote: int, parse) -> tuple[Any, bool] | None:
-    """One judgement: (parsed reply, from_cache), or None after all retries failed."""
+  def _ask(self, messages: list[Message], vote: int, parse,
+           deadline: _Deadline) -> tuple[Any, bool] | None:
+    """One judgement: (parsed reply, from_cache), or None after all retries failed or the
+    call's deadline passed (no request is started, nor backoff slept, past it)."""
     cfg = self.config
     key = self._cache_key(messages, vote)
     if cfg.cache:
@@ -510,10 +548,17 @@ class LLMJudge:
           pass  # a cached reply the current parser rejects: ask again
     for attempt in range(cfg.max_retries + 1):
       if attempt:
+        if deadline.left() <= cfg.backoff(attempt):
+          deadline.hit = True  # no time for the backoff and another request
+          break
         self._count("retries")
-        time.sleep(min(cfg.backoff_max_s, cfg.backoff_s * 2 ** (attempt - 1)))
+        time.sleep(cfg.backoff(attempt))
+      limit = min(cfg.timeout_s, deadline.left())
+      if limit <= 0:
+        deadline.hit = True
+        break
       try:
-        content = self._post(messages)
+        content = self._post(messages, limit)
         try:
           parsed = parse(content)
         except ValueError as e:
@@ -521,6 +566,8 @@ class LLMJudge:
       except _ReplyError as e:
         if e.parse:
           self._count("parse_errors")
+        if e.cut and limit < cfg.timeout_s:
+          deadline.hit = True  # cut by the call's total, not the request's own limit
         if not e.retry:
           break
         continue
@@ -537,8 +584,9 @@ class LLMJudge:
         with open(self.config.cache_path, "a", encoding="utf-8") as f:
           f.write(json.dumps({"key": key, "content": content}, ensure_ascii=False) + "\n")
 
-  def _post(self, messages: list[Message]) -> str:
-    """One chat-completion request; the reply's text, or _ReplyError."""
+  def _post(self, messages: list[Message], limit: float) -> str:
+    """One chat-completion request, all of it (connect, send, headers, body) within `limit`
+    seconds; the reply's text, or _ReplyError."""
     cfg = self.config
     body = json.dumps({"model": cfg.model, "messages": messages, "temperature": cfg.temperature,
                        "max_tokens": cfg.max_tokens, "n": 1}).encode("utf-8")
@@ -546,21 +594,84 @@ class LLMJudge:
     api_key = os.environ.get(cfg.api_key_env)
     if api_key:
       headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(cfg.base_url.rstrip("/") + "/chat/completions",
-                                     data=body, headers=headers, method="POST")
+    url = cfg.base_url.rstrip("/") + "/chat/completions"
     start = time.monotonic()
+    cut = threading.Event()
+    conn, watchdog = None, None
     try:
-      with urllib.request.urlopen(request, timeout=cfg.timeout_s) as response:
-        raw = response.read()
-    except urllib.error.HTTPError as e:
-      retry = e.code == 429 or e.code >= 500
-      raise _ReplyError(f"HTTP {e.code}", retry=retry) from e
-    except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
+      conn, target = _connection(url, limit)
+      conn.connect()  # bounded by the socket timeout (limit)
+      left = limit - (time.monotonic() - start)
+      # The watchdog bounds the rest, however slowly the server sends: once `limit` has
+      # passed it shuts the socket down, which ends any read blocked on it.
+      watchdog = threading.Timer(max(0.0, left), _shut, args=(conn, cut))
+      watchdog.daemon = True
+      watchdog.start()
+      conn.request("POST", target, body=body, headers=headers)
+      response = conn.getresponse()
+      raw = response.read()
+      status = response.status
+      if cut.is_set():
+        raise OSError("cut by the watchdog")
+    except (OSError, http.client.HTTPException, ValueError) as e:
+      if cut.is_set() or isinstance(e, TimeoutError):
+        raise _ReplyError(f"no complete reply within {limit:.1f}s", retry=True, cut=True) from e
       raise _ReplyError(f"request failed: {e!r}", retry=True) from e
     finally:
+      if watchdog is not None:
+        watchdog.cancel()
+      if conn is not None:
+        conn.close()
       self._count("requests", latency=time.monotonic() - start)
+    if status >= 300:
+      retry = status == 429 or status >= 500
+      raise _ReplyError(f"HTTP {status}", retry=retry)
     try:
       return json.loads(raw)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError) as e:
       self._count("parse_errors")
       raise _ReplyError(f"not a chat completion: {raw[:200]!r}", retry=True) from e
+
+
+class _Deadline:
+  """The end of one judge call's time budget; `hit` records that it cut the call short."""
+
+  def __init__(self, seconds: float):
+    self.end = time.monotonic() + seconds
+    self.hit = False
+
+  def left(self) -> float:
+    return self.end - time.monotonic()
+
+
+def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
+  """(an unconnected connection for `url`, the request target), through the proxy that the
+  environment names for it (`https_proxy`, `http_proxy`, `no_proxy`), as urllib would."""
+  parts = urllib.parse.urlsplit(url)
+  port = parts.port or (443 if parts.scheme == "https" else 80)
+  path = parts.path or "/"
+  if parts.query:
+    path += "?" + parts.query
+  proxy = urllib.request.getproxies().get(parts.scheme)
+  if proxy and urllib.request.proxy_bypass(parts.hostname):
+    proxy = None
+  if proxy is None:
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    return cls(parts.hostname, port, timeout=timeout), path
+  p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+  if parts.scheme == "https":  # a CONNECT tunnel through the proxy
+    conn = http.client.HTTPSConnection(p.hostname, p.port or 80, timeout=timeout)
+    conn.set_tunnel(parts.hostname, port)
+    return conn, path
+  return http.client.HTTPConnection(p.hostname, p.port or 80, timeout=timeout), url
+
+
+def _shut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+  """The watchdog's action: end every blocked read of `conn` now."""
+  cut.set()
+  sock = conn.sock
+  if sock is not None:
+    try:
+      sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+      pass

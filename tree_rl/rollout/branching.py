@@ -31,9 +31,12 @@ context, or a branch whose context is a prefix of a rollout just sampled, cost
 
 Endings. An episode ends on a final answer or a successful terminal call, or is
 truncated (flagged, never dropped) at the turn limit, when its context reaches
-`max_context_tokens`, or when a step is cut by the per-step token limit
-(finish "length", e.g. a stop string that never came): a cut step is incomplete,
-so its answer is not trusted. When the engine cannot sample a single token
+`max_context_tokens` (a step whose tool replies and glue would reach it ends on its
+policy node without them, so no path is longer than the window), or when a step
+is cut by the per-step token limit (finish "length", e.g. a stop string that never
+came): a cut step is incomplete, so its answer is not trusted. Every tool reply is
+cut to the family's `max_tool_output_tokens` (`envs.base.ToolOutputCap`, the same
+cap as the evaluation harness's). When the engine cannot sample a single token
 (the prompt alone fills the context), the episode ends truncated on the node it
 stands on if that node is otherwise childless (a too-long prompt gives a root
 leaf, so no tree is lost); else it is counted in `tree.meta["dropped_episodes"]`.
@@ -68,7 +71,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from tree_rl.envs.base import Message, Task
+from tree_rl.envs.base import Message, Task, ToolOutputCap, family_max_tool_output_tokens
 from tree_rl.envs.episode import OpenEpisode, StepRecord, advance
 from tree_rl.envs.executor import ToolExecutor
 from tree_rl.rollout.chat import ChatFormat
@@ -161,6 +164,8 @@ class Forest:
     self.counts = collections.Counter()  # rollout statistics, see AgentLoop.RolloutStats
     # (task id, how many earlier tasks have that id): the tree's sampling identity.
     seen: collections.Counter = collections.Counter()
+    # Tool replies are cut as in the evaluation harness (`run_episodes` given this tokenizer).
+    cap = ToolOutputCap(family_max_tool_output_tokens(family), chat.encode)
     self._task_ident: list[tuple[str, int]] = []
     for task in self.tasks:
       self._task_ident.append((str(task.task_id), seen[str(task.task_id)]))
@@ -169,7 +174,7 @@ class Forest:
                                         meta={"task_id": task.task_id}))
       self._before.append([None])
       tools = family.tools(task)
-      self._executors.append(ToolExecutor(tools))
+      self._executors.append(ToolExecutor(tools, output_cap=cap))
       self._terminal.append(frozenset(x.name for x in tools if x.terminal))
 
   # --------------------------------------------------------------------------
@@ -294,7 +299,8 @@ class Forest:
         empty.append(b)
         continue
       tree, ep = self.trees[b.tree], b.episode
-      node = tree.add_node(b.node, NodeKind.POLICY, res.tokens, res.logprobs, res.entropies)
+      node = tree.add_node(b.node, NodeKind.POLICY, res.tokens, res.logprobs, res.entropies,
+                           version=res.policy_version)
       self._before[b.tree].append(_EpisodeState(tuple(ep.messages), tuple(ep.steps)))
       b.node = b.last_policy = node
       b.tokens.extend(res.tokens)
@@ -321,15 +327,17 @@ class Forest:
       n_tool = len(ep.steps[-1].results)
       glue = self.chat.glue_tokens(ep.messages[:-1 - n_tool], text,
                                    ep.messages[-n_tool:] if n_tool else [])
+      if len(b.tokens) + len(glue) >= self.max_context_tokens:
+        # No room for the replies and a next step: the episode ends on its policy node, so
+        # no path ever runs past the window (an env node there would be trained on nothing).
+        b.truncated = True
+        ended.append(b)
+        continue
       b.node = tree.add_node(b.node, NodeKind.ENV, glue)
       self._before[b.tree].append(None)
       b.tokens.extend(glue)
       self.counts["env_tokens"] += len(glue)
-      if len(b.tokens) >= self.max_context_tokens:
-        b.truncated = True
-        ended.append(b)
-      else:
-        still_open.append(b)
+      still_open.append(b)
     for b, extra in zip(ended, list(self.pool.map(self._extra_rewards, ended))):
       self._end(b, extra)
     for b in empty:

@@ -107,6 +107,8 @@ class GenerationResult:
     stop: the stop string that ended it, if any.
     prefill_tokens: context tokens this request had to run through the model
       (0 for a branch that shares a context prefilled for another request).
+    policy_version: the policy version that sampled it (set by a
+      `tree_rl.rollout.pipeline.VersionedEngine`; None from a bare engine).
   """
 
   tokens: tuple[int, ...]
@@ -115,6 +117,7 @@ class GenerationResult:
   finish_reason: str
   stop: str | None = None
   prefill_tokens: int = 0
+  policy_version: int | None = None
 
 
 @runtime_checkable

@@ -8,6 +8,13 @@ from (step key, request seed) alone, so with a split-invariant strategy the tree
 not depend on the number of workers (tests/rollout/batch_invariance_test.py): the
 fleet reseeds every worker with the same step key.
 
+A worker's engine is a JaxSampler (`WorkerSpec.engine="jax"`) or a VLLMEngine ("vllm": a
+vLLM process of the worker's own, serving an HF folder the worker writes from the model it
+is given). Both sit in a `pipeline.VersionedEngine` and load a version the same way
+(`update_weights(Decoder)`); a vLLM worker's weights travel by vLLM's weight-transfer API
+where the installed vLLM has it, else by its in-place reload (`VLLMEngine.weight_transfer`
+says which; docs/rollout_fleet.md).
+
 Two backends behind one interface (`make_fleet`):
 
   local: the workers live in this process and run one after the other.
@@ -26,18 +33,22 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop, RolloutStats
 from tree_rl.rollout.dynamic_sampling import _weighted
 
 BACKENDS = ("local", "ray")
+ENGINES = ("jax", "vllm")
 PREFIX = "rollout/fleet/"
 # Strategies whose trees are a function of (step key, task, occurrence) alone: the flat
 # group seeds every request from (task, occurrence, branch, turn).
@@ -58,10 +69,13 @@ def check_fleet(backend: str, num_workers: int, strategy: str, engine: str = "ja
   """Fails with the reason when a fleet of `num_workers` on `backend` cannot run this rollout.
 
   One local worker runs anything (today's single engine). Otherwise the strategy must be
-  split-invariant, and a Ray worker builds a JAX engine without the trainer's leaf scorer.
+  split-invariant, the engine one a worker can build (JaxSampler or VLLMEngine), and the
+  leaves are not scored by the trainer's judge.
   """
   if backend not in BACKENDS:
     raise ValueError(f"config.rollout.backend={backend!r} must be one of {BACKENDS}")
+  if engine not in ENGINES:
+    raise ValueError(f"config.rollout.engine={engine!r} must be one of {ENGINES}")
   if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
     raise ValueError(f"config.rollout.num_workers={num_workers!r} must be an int >= 1")
   if backend == "local" and num_workers == 1:
@@ -72,13 +86,14 @@ def check_fleet(backend: str, num_workers: int, strategy: str, engine: str = "ja
     raise ValueError(f"config.rollout.strategy={strategy!r} cannot be split across rollout "
                      f"workers ({where}): {why}. Use one of {SPLITTABLE_STRATEGIES}, or "
                      f"backend='local' with num_workers=1")
-  if engine != "jax":
-    raise ValueError(f"config.rollout.engine={engine!r}: a fleet ({where}) builds JaxSampler "
-                     f"workers only; use engine='jax' or one local worker")
   if leaf_rewards:
     raise ValueError(f"the reasoning judge (config.judge.kind) scores leaves in the trainer "
                      f"process and is not sent to rollout workers ({where}); use one local "
                      f"worker with a judge")
+
+
+# What WorkerSpec sets on a VLLMEngine itself (vllm_kwargs may not override them).
+_VLLM_OWN = ("python", "max_model_len", "dtype", "seed", "eos_ids", "gpu_memory_utilization")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +105,17 @@ class WorkerSpec:
     family, family_kwargs: the task family, as `make_family(family, **family_kwargs)`.
     agent: the AgentLoop's config.
     strategy, strategy_kwargs: `make_strategy(strategy, **strategy_kwargs)`.
-    rows, slots, seed: the JaxSampler's cache rows, slots per row and seed.
+    rows, slots, seed: the JaxSampler's cache rows, slots per row and seed; `slots` is a
+      VLLMEngine's context window too (capped at the model's max_position_embeddings) and
+      `seed` its sampling seed.
+    engine: "jax" (a JaxSampler) or "vllm" (a VLLMEngine in a process of its own).
+    vllm_python: the interpreter that has vLLM ("": `find_vllm_python()` where the worker
+      runs, i.e. $TREE_RL_VLLM_PYTHON there).
+    dtype: vLLM's compute dtype (config.model.dtype).
+    gpu_memory_utilization: the share of its GPU a vLLM worker may take
+      (config.rollout.generator_memory_fraction; nothing on CPU).
+    vllm_kwargs: further VLLMEngine arguments (kv_cache_gb, block_size, logprobs_k,
+      log_file, ...), passed as is.
   """
 
   tokenizer: str
@@ -102,22 +127,71 @@ class WorkerSpec:
   rows: int = 16
   slots: int = 2048
   seed: int = 0
+  engine: str = "jax"
+  vllm_python: str = ""
+  dtype: str = "float32"
+  gpu_memory_utilization: float = 0.5
+  vllm_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.engine not in ENGINES:
+      raise ValueError(f"WorkerSpec.engine={self.engine!r} must be one of {ENGINES}")
+    clash = sorted(set(self.vllm_kwargs) & set(_VLLM_OWN))
+    if clash:
+      raise ValueError(f"WorkerSpec.vllm_kwargs sets {clash}, which the spec sets itself "
+                       f"(vllm_python, slots, dtype, seed, the chat's eos ids, "
+                       f"gpu_memory_utilization)")
+    if self.engine == "jax" and self.vllm_kwargs:
+      raise ValueError(f"WorkerSpec.vllm_kwargs={dict(self.vllm_kwargs)} with engine='jax': "
+                       f"only a vLLM worker reads them")
 
   def build(self, model: nnx.Module) -> AgentLoop:
-    """An AgentLoop over a new JaxSampler serving `model`."""
+    """An AgentLoop over a new engine serving `model` (as policy version 0)."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     from tree_rl.envs import make_family  # noqa: PLC0415
     from tree_rl.rollout.chat import ChatFormat  # noqa: PLC0415
-    from tree_rl.rollout.jax_sampler import JaxSampler  # noqa: PLC0415
+    from tree_rl.rollout.pipeline import VersionedEngine  # noqa: PLC0415
     from tree_rl.rollout.strategies import make_strategy  # noqa: PLC0415
 
     tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    engine = JaxSampler(model, rows=self.rows, slots=self.slots, tokenizer=tokenizer,
-                        eos_ids=chat.eos_ids, seed=self.seed)
-    return AgentLoop(engine, chat, make_family(self.family, **dict(self.family_kwargs)),
-                     self.agent, make_strategy(self.strategy, **dict(self.strategy_kwargs)))
+    if self.engine == "vllm":
+      engine = self._vllm_engine(model, chat.eos_ids)
+    else:
+      from tree_rl.rollout.jax_sampler import JaxSampler  # noqa: PLC0415
+
+      engine = JaxSampler(model, rows=self.rows, slots=self.slots, tokenizer=tokenizer,
+                          eos_ids=chat.eos_ids, seed=self.seed)
+    return AgentLoop(VersionedEngine(engine), chat,
+                     make_family(self.family, **dict(self.family_kwargs)), self.agent,
+                     make_strategy(self.strategy, **dict(self.strategy_kwargs)))
+
+  def _vllm_engine(self, model: nnx.Module, eos_ids: Sequence[int]):
+    """A VLLMEngine serving `model`: written as an HF folder of this worker's own (so a Ray
+    worker on another node needs no shared disk), removed when the engine goes."""
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    from tree_rl.models import hf_io  # noqa: PLC0415
+    from tree_rl.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
+
+    tmp = tempfile.mkdtemp(prefix="tree_rl_fleet_vllm_")
+    try:
+      folder = hf_io.save_hf(model, os.path.join(tmp, "policy"), tokenizer_from=self.tokenizer)
+      # vLLM refuses a window past the model's trained positions; longer requests end with
+      # finish reason "context", as they would at max_context_tokens.
+      window = min(self.slots, model.config.max_position_embeddings)
+      engine = VLLMEngine(folder, python=self.vllm_python or None, max_model_len=window,
+                          dtype=self.dtype, seed=self.seed, eos_ids=eos_ids,
+                          gpu_memory_utilization=self.gpu_memory_utilization,
+                          **dict(self.vllm_kwargs))
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    weakref.finalize(engine, shutil.rmtree, tmp, True)
+    return engine
 
 
 class Worker:
@@ -133,20 +207,38 @@ class Worker:
   def __init__(self, spec: WorkerSpec, model: nnx.Module, weights: Any = None,
                version: int = 0):
     self.model = model
-    self.agent = spec.build(model)
-    self.version = version
-    if weights is not None:
+    self.agent = spec.build(model)  # its engine stamps every sampled node with the version
+    if weights is not None or version:
       self.load(weights, version)
 
+  @property
+  def version(self) -> int:
+    return self.agent.engine.version
+
   def load(self, weights: Any, version: int) -> int:
-    """Loads a policy version's weights (an `nnx.State` of host arrays); returns the version."""
-    nnx.update(self.model, jax.tree.map(jax.numpy.asarray, weights))
-    self.agent.engine.update_weights(self.model)
-    self.version = int(version)
+    """Loads a policy version's weights (an `nnx.State` of host arrays; None: `model`'s
+    own) as `version`; returns the version held."""
+    if weights is not None:
+      nnx.update(self.model, jax.tree.map(jax.numpy.asarray, weights))
+    engine = self.agent.engine
+    engine.load_now(int(version), lambda: engine.engine.update_weights(self.model))
     return self.version
 
   def held_version(self) -> int:
     return self.version
+
+  def info(self) -> dict[str, str]:
+    """{"engine": "jax" | "vllm", "weight_transfer": how new weights reach the engine}: a
+    VLLMEngine's `weight_transfer` (vLLM's API backend, or "in_place"); "jax" for a
+    JaxSampler, which reads this worker's model."""
+    inner = self.agent.engine.engine
+    vllm = hasattr(inner, "weight_transfer")
+    return {"engine": "vllm" if vllm else "jax",
+            "weight_transfer": inner.weight_transfer if vllm else "jax"}
+
+  def close(self) -> None:
+    """Stops the engine (a vLLM worker's process); idempotent."""
+    self.agent.engine.close()
 
   def rollout(self, tasks: Sequence[Any], key_data: np.ndarray
               ) -> tuple[list, RolloutStats, dict[str, float]]:
@@ -195,8 +287,9 @@ class Fleet(abc.ABC):
   """The rollout side of a step: `rollout(tasks)` like an AgentLoop, over several workers.
 
   Duck-types what `dynamic_sampling.rollout_step` reads of an AgentLoop (`rollout`,
-  `last_stats`, `strategy.last_metrics`). Call `reseed(key)` before a rollout and
-  `update_weights(model, version)` after every update.
+  `last_stats`, `strategy.last_metrics`). Call `reseed(key)` before a rollout and, after
+  every update, `update_weights(model, version)` (loaded now) or `publish(model, version)`
+  (loaded by the next `rollout`, in the thread that calls it: the asynchronous producer's).
   """
 
   def __init__(self, strategy_name: str, num_workers: int):
@@ -204,8 +297,17 @@ class Fleet(abc.ABC):
     self.strategy = FleetStrategy(strategy_name)
     self.last_stats: RolloutStats | None = None
     self.version = 0
+    self.held = [0] * num_workers  # each worker's version, as last reported
     self.counts = {"restarts": 0, "resends": 0}
+    self.info: list[dict[str, str]] = []  # each worker's Worker.info(), set by _started
     self._key: jax.Array | None = None
+    self._pending: tuple[nnx.Module, int] | None = None
+    self._lock = threading.Lock()
+
+  def publish(self, model: nnx.Module, version: int) -> None:
+    """`model` becomes policy `version` at the start of the next `rollout` (newest wins)."""
+    with self._lock:
+      self._pending = (model, version)
 
   def reseed(self, key: jax.Array) -> None:
     """The key every worker samples the next rollout from."""
@@ -215,6 +317,10 @@ class Fleet(abc.ABC):
     """The trees of `tasks` in task order (one per task the strategy did not skip)."""
     if self._key is None:
       raise ValueError("Fleet.rollout before reseed(key): the workers need the step's key")
+    with self._lock:
+      pending, self._pending = self._pending, None
+    if pending is not None:
+      self.update_weights(*pending)
     ids = [str(t.task_id) for t in tasks]
     split = split_tasks(ids, self.num_workers)
     results = self._run([[tasks[i] for i in c] for c in split],
@@ -233,12 +339,20 @@ class Fleet(abc.ABC):
     return [tree for _, tree in sorted(placed, key=lambda p: p[0])]
 
   def metrics(self) -> dict[str, float]:
-    """rollout/fleet/: restarts and resends (totals since the fleet started), the published
-    policy_version and stale_workers (workers holding another version: 0 after a sync)."""
+    """rollout/fleet/: restarts and resends (totals since the fleet started), the loaded
+    policy_version and stale_workers (workers last seen holding another version: 0 after
+    a sync). Asks no worker: the learner may call it while a rollout runs."""
     return {PREFIX + "restarts": float(self.counts["restarts"]),
             PREFIX + "resends": float(self.counts["resends"]),
             PREFIX + "policy_version": float(self.version),
-            PREFIX + "stale_workers": float(sum(v != self.version for v in self.versions()))}
+            PREFIX + "stale_workers": float(sum(v != self.version for v in self.held))}
+
+  def _started(self, info: list[dict[str, str]]) -> None:
+    """Records and logs each worker's engine and weight-transfer path."""
+    self.info = list(info)
+    for i, w in enumerate(self.info):
+      logging.info("rollout worker %d: %s engine, weights via %s", i, w["engine"],
+                   w["weight_transfer"])
 
   def _check_version(self, version: int) -> None:
     if version <= self.version:
@@ -267,7 +381,14 @@ class LocalFleet(Fleet):
     super().__init__(spec.strategy, num_workers)
     # Each worker its own copy of the model: loading one worker's weights must not move
     # another's before its turn.
-    self.workers = [Worker(spec, nnx.clone(model)) for _ in range(num_workers)]
+    self.workers = []
+    try:
+      for _ in range(num_workers):
+        self.workers.append(Worker(spec, nnx.clone(model)))
+    except BaseException:
+      self.close()  # the vLLM processes of the workers already started
+      raise
+    self._started([w.info() for w in self.workers])
 
   def _run(self, chunks, key_data):
     return [w.rollout(c, key_data) for w, c in zip(self.workers, chunks)]
@@ -275,12 +396,17 @@ class LocalFleet(Fleet):
   def update_weights(self, model, version):
     self._check_version(version)
     weights = nnx.state(model)
-    for w in self.workers:
-      w.load(weights, version)
+    self.held = [w.load(weights, version) for w in self.workers]
     self.version = version
 
   def versions(self):
-    return [w.held_version() for w in self.workers]
+    self.held = [w.held_version() for w in self.workers]
+    return list(self.held)
+
+  def close(self):
+    """Stops every worker's engine (vLLM workers' processes)."""
+    for w in self.workers:
+      w.close()
 
 
 class RayFleet(Fleet):
@@ -311,6 +437,7 @@ class RayFleet(Fleet):
     self.owns_ray = False  # close() shuts Ray down (run_fleet started it)
     self.actors = [self._start() for _ in range(num_workers)]
     self.versions()  # wait until every actor has built its engine
+    self._started(ray.get([a.info.remote() for a in self.actors], timeout=timeout_s))
 
   def _start(self):
     return self._actor_cls.remote(self._spec, self._model, self._weights, self.version)
@@ -371,9 +498,11 @@ class RayFleet(Fleet):
     # rollout; a load that fails here restarts it now.
     for i, a in enumerate(self.actors):
       try:
-        self._ray.get(a.load.remote(self._weights, version), timeout=self.timeout_s)
+        self.held[i] = self._ray.get(a.load.remote(self._weights, version),
+                                     timeout=self.timeout_s)
       except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
-        self._restart(i)
+        self._restart(i)  # it starts on these weights
+        self.held[i] = version
 
   def versions(self):
     """The policy version each actor holds (restarting any that is dead)."""
@@ -384,9 +513,16 @@ class RayFleet(Fleet):
       except (self._ray.exceptions.RayActorError, self._ray.exceptions.GetTimeoutError):
         self._restart(i)
         out.append(self._ray.get(self.actors[i].held_version.remote(), timeout=self.timeout_s))
+    self.held = list(out)
     return out
 
   def close(self):
+    # Ask each actor to stop its engine first (a vLLM worker's process would otherwise
+    # only notice its socket closing), then kill it.
+    try:
+      self._ray.get([a.close.remote() for a in self.actors], timeout=60)
+    except Exception:  # noqa: BLE001  dead or silent actors: killed below all the same
+      pass
     for a in self.actors:
       self._ray.kill(a, no_restart=True)
     self.actors = []
@@ -394,39 +530,78 @@ class RayFleet(Fleet):
       self._ray.shutdown()
 
 
+def check_vllm_gpus(num_gpus: float, memory_fraction: float) -> None:
+  """Fails, saying why, where Ray actors of `num_gpus` GPUs cannot each hold a vLLM worker
+  that takes `memory_fraction` of its GPU's memory.
+
+  A VLLMEngine serves on one GPU (no tensor parallelism), so an actor gets at most one.
+  Actors with a fraction of a GPU share it: each vLLM then takes `memory_fraction` of the
+  whole device, so that must fit in the actor's share. 0 GPUs: vLLM on CPU.
+  """
+  if num_gpus > 1:
+    raise ValueError(f"config.rollout.worker_num_gpus={num_gpus:g}: a vLLM rollout worker "
+                     f"serves on one GPU (no tensor parallelism); use 1, a fraction, or 0 "
+                     f"(CPU)")
+  if 0 < num_gpus < 1 and memory_fraction > num_gpus:
+    raise ValueError(f"config.rollout.worker_num_gpus={num_gpus:g} puts up to "
+                     f"{int(1 // num_gpus)} vLLM workers on one GPU, but each takes "
+                     f"generator_memory_fraction={memory_fraction:g} of it; lower the "
+                     f"fraction to at most {num_gpus:g} or give each worker a whole GPU")
+
+
 def make_fleet(backend: str, spec: WorkerSpec, model: nnx.Module, num_workers: int = 1,
                **ray_kwargs) -> Fleet:
   """A LocalFleet or a RayFleet (`ray_kwargs`: RayFleet's num_cpus, num_gpus, timeout_s)."""
-  check_fleet(backend, num_workers, spec.strategy)
+  check_fleet(backend, num_workers, spec.strategy, spec.engine)
   if backend == "local":
     if ray_kwargs:
       raise ValueError(f"backend='local' takes no Ray options, got {sorted(ray_kwargs)}")
     return LocalFleet(spec, model, num_workers)
+  if spec.engine == "vllm":
+    check_vllm_gpus(float(ray_kwargs.get("num_gpus", 0.0)), spec.gpu_memory_utilization)
   return RayFleet(spec, model, num_workers, **ray_kwargs)
 
 
-def run_fleet(cfg: Any, model: nnx.Module, tokenizer: Any, agent: AgentConfig) -> Fleet | None:
+def run_fleet(cfg: Any, model: nnx.Module, tokenizer: Any, agent: AgentConfig,
+              vllm_kwargs: Mapping[str, Any] | None = None) -> Fleet | None:
   """The trainer's fleet for a RunConfig: None for one local worker (the trainer's own
   engine and AgentLoop are that worker), else a fleet of `cfg.rollout.num_workers`. With
   backend='ray' and no Ray yet, starts one (`ray.init()`: $RAY_ADDRESS's cluster if set,
-  else a local one), which `close()` shuts down."""
+  else a local one), which `close()` shuts down.
+
+  With rollout.engine='vllm' every worker runs a VLLMEngine with the trainer's settings
+  (rollout.vllm_python, model.dtype, rollout.generator_memory_fraction, the seed) and
+  `vllm_kwargs` (further VLLMEngine arguments, e.g. log_file)."""
   r = cfg.rollout
   if r.backend == "local" and r.num_workers == 1:
     return None
   kw = dict(r.strategy_kwargs)
   kw.setdefault("n", r.samples_per_task)  # as the trainer's own flat strategy
+  vllm = r.engine == "vllm"
+  if vllm_kwargs and not vllm:
+    raise ValueError(f"run_fleet: vllm_kwargs={dict(vllm_kwargs)} with "
+                     f"config.rollout.engine={r.engine!r}")
   spec = WorkerSpec(tokenizer=tokenizer.name_or_path, family=cfg.task.family,
                     family_kwargs=dict(cfg.task.kwargs), agent=agent, strategy=r.strategy,
                     strategy_kwargs=kw, rows=r.cache_rows, slots=r.max_context_tokens,
-                    seed=cfg.seed)
+                    seed=cfg.seed, engine=r.engine, vllm_python=r.vllm_python,
+                    dtype=cfg.model.dtype, gpu_memory_utilization=r.generator_memory_fraction,
+                    vllm_kwargs=dict(vllm_kwargs or {}))
   if r.backend == "local":
     return make_fleet("local", spec, model, r.num_workers)
+  if vllm:  # before starting Ray
+    check_vllm_gpus(float(r.worker_num_gpus), r.generator_memory_fraction)
   import ray  # noqa: PLC0415
 
   owns_ray = not ray.is_initialized()
   if owns_ray:
     ray.init(include_dashboard=False, log_to_driver=False)
-  fleet = make_fleet("ray", spec, model, r.num_workers, num_cpus=float(r.worker_num_cpus),
-                     num_gpus=float(r.worker_num_gpus), timeout_s=float(r.worker_timeout_s))
+  try:
+    fleet = make_fleet("ray", spec, model, r.num_workers, num_cpus=float(r.worker_num_cpus),
+                       num_gpus=float(r.worker_num_gpus), timeout_s=float(r.worker_timeout_s))
+  except BaseException:
+    if owns_ray:
+      ray.shutdown()
+    raise
   fleet.owns_ray = owns_ray
   return fleet

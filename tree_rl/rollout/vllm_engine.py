@@ -13,9 +13,16 @@ exchange plain Python values over a Unix socket with an authkey
 results as token ids, the sampled tokens' log-probs and the top-k log-probs of
 every step. Weights travel as a safetensors file of HF-named tensors (in
 /dev/shm when it has room), written with tree_rl's own export table
-(`hf_io.hf_tensors`, LoRA merged) and loaded in place by a vLLM worker
-extension; the prefix cache is reset after every push, since its KV was
-computed with the old weights.
+(`hf_io.hf_tensors`, LoRA merged). The worker loads it through vLLM's
+weight-transfer API (`LLM.start_weight_update` / `update_weights` /
+`finish_weight_update`) with a file backend of ours registered in vLLM's
+`WeightTransferEngineFactory`, where the installed vLLM has that API (vLLM
+0.32.0 does; found by import, not by version), else in place through a worker
+extension's `reload_weights`; `weight_transfer` says which ("tree_rl_safetensors"
+or "in_place"). vLLM's own backends (NCCL, CUDA IPC, ...) send torch CUDA
+tensors from a torch trainer, which a JAX trainer on CPU does not have. The
+prefix cache is reset after every push, since its KV was computed with the old
+weights.
 
 Prefix reuse is vLLM's automatic prefix caching: k branches of a node, or the
 next turn after a tool reply, find the shared context's KV blocks cached.
@@ -37,6 +44,7 @@ import math
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +56,7 @@ from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 import numpy as np
+from absl import logging
 
 from tree_rl.rollout.engine import GenerationRequest, GenerationResult
 
@@ -131,6 +140,17 @@ def _hf_named(params: Any, template) -> dict[str, np.ndarray]:
   return hf_io.hf_tensors(params)
 
 
+_WEIGHTS_FILE = "weights.safetensors"
+
+
+def _release(live: dict[str, Any]) -> None:
+  """Stops the engine's worker and removes its kept weights (VLLMEngine's finalizer)."""
+  live["worker"].shutdown()
+  if live["weights_dir"] is not None:
+    shutil.rmtree(live["weights_dir"], ignore_errors=True)
+    live["weights_dir"] = None
+
+
 def _weights_dir(nbytes: int) -> str:
   """A temp dir for a weight push: RAM-backed /dev/shm when it has room."""
   shm = "/dev/shm"
@@ -140,9 +160,15 @@ def _weights_dir(nbytes: int) -> str:
   return tempfile.mkdtemp(prefix="tree_rl_weights_")
 
 
+class WorkerLost(RuntimeError):
+  """The vLLM worker stopped answering: it exited, closed its socket, or ran past a call's
+  time limit (hung, or stopped). The engine restarts it; raised to the caller once the
+  restarts of one call are used up."""
+
+
 @dataclasses.dataclass
 class _Worker:
-  """The worker process and its socket; `shutdown` is safe to call twice."""
+  """The worker process and its socket; `shutdown` and `kill` are safe to call twice."""
 
   proc: subprocess.Popen
   listener: Listener
@@ -150,22 +176,53 @@ class _Worker:
   conn: Connection | None = None
   log: Any = None
 
+  def send(self, msg: dict[str, Any], what: str) -> None:
+    if self.conn is None:
+      raise WorkerLost(f"the vLLM worker was stopped before {what}")
+    try:
+      self.conn.send(msg)
+    except (OSError, EOFError) as e:  # a broken pipe: the worker is gone
+      raise WorkerLost(f"the vLLM worker's socket failed sending {what} ({e!r}); its log went"
+                       f" to {self.log_name()}") from e
+
   def recv(self, timeout: float | None, what: str) -> Any:
-    """The next message, raising (rather than hanging) if the worker dies."""
+    """The next message, raising WorkerLost (rather than hanging) if the worker dies, closes
+    its socket or does not answer within `timeout` seconds (None: no limit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while not self.conn.poll(0.5):
-      if self.proc.poll() is not None:
-        raise RuntimeError(f"the vLLM worker exited (status {self.proc.returncode}) during"
+    try:
+      while not self.conn.poll(0.5):
+        if self.proc.poll() is not None:
+          raise WorkerLost(f"the vLLM worker exited (status {self.proc.returncode}) during"
                            f" {what}; its log went to {self.log_name()}")
-      if deadline is not None and time.monotonic() > deadline:
-        raise TimeoutError(f"the vLLM worker did not answer {what} within {timeout:.0f}s")
-    msg = self.conn.recv()
+        if deadline is not None and time.monotonic() > deadline:
+          raise WorkerLost(f"the vLLM worker (pid {self.proc.pid}) did not answer {what} within"
+                           f" {timeout:.0f}s; its log went to {self.log_name()}")
+      msg = self.conn.recv()
+    except (OSError, EOFError) as e:  # poll is readable at EOF; recv then raises
+      try:  # a worker that closed its socket is usually exiting: say how it ended
+        status = self.proc.wait(timeout=2.0)
+      except subprocess.TimeoutExpired:
+        status = None
+      raise WorkerLost(f"the vLLM worker closed its socket during {what} ({e!r}, status "
+                       f"{'running' if status is None else status}); its log went to "
+                       f"{self.log_name()}") from e
     if not msg.get("ok"):
       raise RuntimeError(f"the vLLM worker failed {what}:\n{msg.get('error')}")
     return msg
 
   def log_name(self) -> str:
     return getattr(self.log, "name", "stderr")
+
+  def kill(self) -> None:
+    """Ends the worker at once: SIGKILL to its process group (vLLM's helper processes
+    included), which also ends a stopped (SIGSTOP) process, then the same cleanup."""
+    if self.proc.poll() is None:
+      try:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        self.proc.kill()
+      self.proc.wait()
+    self.shutdown()
 
   def shutdown(self) -> None:
     if self.conn is not None and self.proc.poll() is None:
@@ -226,10 +283,26 @@ class VLLMEngine:
     enforce_eager: skip torch.compile / CUDA graphs (None: yes without a GPU).
     lora: the LoRA config of the policy, when `update_weights` is given a bare
       `nnx.State` of a LoRA model (a Decoder needs nothing).
+    weight_transfer: "auto" (vLLM's weight-transfer API with tree_rl's file backend where
+      the installed vLLM has it, else the in-place reload) or "in_place" (always the
+      reload). The path taken is the attribute `weight_transfer`.
     llm_kwargs: further `vllm.LLM` arguments, passed as is.
     env: extra environment variables for the worker.
     log_file: where the worker's output goes (default: this process's stderr).
     startup_timeout_s: how long vLLM may take to load the model.
+    call_timeout_s: the time limit of one call to the worker other than generate (a weight
+      push), and the fixed part of generate's limit.
+    generate_s_per_token: generate's limit grows by this much per token it may produce:
+      call_timeout_s + generate_s_per_token * (sum of the requests' max_tokens). The
+      defaults (300 s + 0.1 s a token, i.e. 10 tokens/s over the whole batch) are far
+      above what vLLM needs even on CPU, so only a hung or stopped worker reaches them.
+    max_restarts: how many times one call may restart a lost worker (one that exited,
+      closed its socket or ran past the limit) and retry before raising WorkerLost. A
+      restart starts a new worker from `model_dir`, pushes the last weights given to
+      `update_weights` (so the engine keeps that safetensors file between pushes; with
+      max_restarts=0 it is deleted after each push) and re-sends the call. Requests carry
+      their vLLM seeds, so a retried generate of seeded or greedy requests gives the same
+      tokens. The attribute `restarts` (also `stats["worker_restarts"]`) counts them.
   """
 
   def __init__(self, model_dir: str | os.PathLike, *, python: str | None = None,
@@ -238,10 +311,11 @@ class VLLMEngine:
                seed: int = 0, logprobs_k: int = 20, eos_ids: Sequence[int] | None = None,
                block_size: int | None = None, max_num_seqs: int | None = None,
                in_process_engine: bool | None = None, cpu_threads: int | None = None,
-               enforce_eager: bool | None = None, lora=None,
+               enforce_eager: bool | None = None, lora=None, weight_transfer: str = "auto",
                llm_kwargs: Mapping[str, Any] | None = None,
                env: Mapping[str, str] | None = None, log_file: str | None = None,
-               startup_timeout_s: float = 900.0):
+               startup_timeout_s: float = 900.0, call_timeout_s: float = 300.0,
+               generate_s_per_token: float = 0.1, max_restarts: int = 2):
     self.model_dir = os.path.abspath(os.fspath(model_dir))
     if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
       raise FileNotFoundError(f"{self.model_dir} has no config.json: not an HF model folder")
@@ -257,6 +331,18 @@ class VLLMEngine:
       raise ValueError(f"logprobs_k={logprobs_k} must be >= 1")
     if not 0.0 < gpu_memory_utilization <= 1.0:
       raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+    if weight_transfer not in ("auto", "in_place"):
+      raise ValueError(f"weight_transfer={weight_transfer!r} must be 'auto' or 'in_place'")
+    if not call_timeout_s > 0:
+      raise ValueError(f"call_timeout_s={call_timeout_s} must be > 0")
+    if not generate_s_per_token >= 0:
+      raise ValueError(f"generate_s_per_token={generate_s_per_token} must be >= 0")
+    if max_restarts < 0:
+      raise ValueError(f"max_restarts={max_restarts} must be >= 0")
+    self.call_timeout_s = float(call_timeout_s)
+    self.generate_s_per_token = float(generate_s_per_token)
+    self.max_restarts = int(max_restarts)
+    self.restarts = 0  # lost workers replaced since construction
     self.max_model_len = max_model_len
     self.logprobs_k = logprobs_k
     self.eos_ids = None if eos_ids is None else tuple(int(e) for e in eos_ids)
@@ -268,7 +354,7 @@ class VLLMEngine:
     self._calls = 0
     self._seed = seed
     self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
-                  "weight_updates": 0}
+                  "weight_updates": 0, "worker_restarts": 0}
     config = dict(
         model_dir=self.model_dir, max_model_len=max_model_len, dtype=dtype, seed=seed,
         logprobs_k=logprobs_k, gpu_memory_utilization=gpu_memory_utilization,
@@ -276,9 +362,17 @@ class VLLMEngine:
         block_size=block_size, max_num_seqs=max_num_seqs,
         in_process_engine=in_process_engine, cpu_threads=cpu_threads,
         enforce_eager=enforce_eager, has_tokenizer=self.has_tokenizer,
-        llm_kwargs=dict(llm_kwargs or {}))
+        weight_transfer=weight_transfer, llm_kwargs=dict(llm_kwargs or {}))
+    self._launch = (python, config, env, log_file, startup_timeout_s)  # for restarts
     self._worker = self._start(python, config, env, log_file, startup_timeout_s)
-    self._finalizer = weakref.finalize(self, self._worker.shutdown)
+    # How update_weights reaches vLLM: its weight-transfer API's backend, or "in_place".
+    self.weight_transfer: str = self.info["weight_transfer"]
+    logging.info("vLLM %s worker (pid %s): weights via %s", self.info["vllm_version"],
+                 self.info["pid"], self.weight_transfer)
+    # What close (or garbage collection) releases: the current worker, and the folder of
+    # the last pushed weights (kept for restarts). Restarts update it in place.
+    self._live: dict[str, Any] = {"worker": self._worker, "weights_dir": None}
+    self._finalizer = weakref.finalize(self, _release, self._live)
 
   # ------------------------------------------------------------------------
 
@@ -299,8 +393,10 @@ class VLLMEngine:
     child_env.update(env or {})
     log = open(log_file, "a") if log_file else None  # noqa: SIM115  (closed by shutdown)
     out = log if log is not None else 2  # fd 2: keep this process's stdout clean
+    # A session of its own, so that a restart can kill vLLM's helper processes with it.
     proc = subprocess.Popen([python, "-m", "tree_rl_vllm_worker.server", address],
-                            env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+                            env=child_env, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                            start_new_session=True)
     worker = _Worker(proc, listener, tmpdir, log=log)
     try:
       worker.conn = self._accept(worker, timeout)
@@ -336,11 +432,48 @@ class VLLMEngine:
       raise box["error"]
     return box["conn"]
 
-  def _call(self, msg: dict[str, Any], what: str) -> Any:
-    if self._worker.conn is None:
+  def _call(self, msg: dict[str, Any], what: str, timeout: float | None = None) -> Any:
+    """The worker's answer to `msg`, restarting a lost worker and re-sending `msg` up to
+    `max_restarts` times. An error the worker reports (a bad request) is raised as is."""
+    timeout = self.call_timeout_s if timeout is None else timeout
+    if not self._finalizer.alive:
       raise RuntimeError("the VLLMEngine is closed")
-    self._worker.conn.send(msg)
-    return self._worker.recv(None, what)["result"]
+    for attempt in range(self.max_restarts + 1):
+      try:
+        if attempt:  # a failed restart counts as an attempt too
+          self._restart(what)
+        self._worker.send(msg, what)
+        return self._worker.recv(timeout, what)["result"]
+      except WorkerLost as e:
+        if attempt == self.max_restarts:
+          # A hung or stopped worker holds memory: end it. The next call starts a new one.
+          self._worker.kill()
+          raise WorkerLost(f"{e}; gave up on {what} after {attempt} restart(s) of the worker "
+                           f"(max_restarts={self.max_restarts})") from e
+        logging.warning("%s; restarting the vLLM worker (restart %d of %d for this call)",
+                        e, attempt + 1, self.max_restarts)
+    raise AssertionError("unreachable")
+
+  def _restart(self, what: str) -> None:
+    """Replaces a lost worker: kill it, start a new one, push the last weights."""
+    self._worker.kill()
+    python, config, env, log_file, startup_timeout = self._launch
+    try:
+      worker = self._start(python, config, env, log_file, startup_timeout)
+    except Exception as e:  # noqa: BLE001  (a start-up failure; re-raised as WorkerLost)
+      raise WorkerLost(f"restarting the vLLM worker after it was lost during {what} failed: "
+                       f"{e}") from e
+    self._worker = self._live["worker"] = worker
+    self.restarts += 1
+    self.stats["worker_restarts"] += 1
+    if self.info["weight_transfer"] != self.weight_transfer:
+      raise WorkerLost(f"the restarted vLLM worker loads weights via "
+                       f"{self.info['weight_transfer']}, not {self.weight_transfer}")
+    weights = self._live["weights_dir"]
+    if weights is not None:  # the worker came up with model_dir's weights: bring it up to date
+      worker.send({"op": "update_weights", "path": os.path.join(weights, _WEIGHTS_FILE)},
+                  "update_weights (restoring the last weights)")
+      worker.recv(self.call_timeout_s, "update_weights (restoring the last weights)")
 
   # ------------------------------------------------------------------------
 
@@ -365,7 +498,9 @@ class VLLMEngine:
           seed=self._request_seed(req, len(wire))))
     self._calls += 1
     if wire:
-      outs = self._call({"op": "generate", "requests": wire}, "generate")
+      limit = self.call_timeout_s + self.generate_s_per_token * sum(
+          w["max_tokens"] for w in wire)
+      outs = self._call({"op": "generate", "requests": wire}, "generate", limit)
       for i, out in zip(todo, outs):
         results[i] = self._result(requests[i], out)
     return results  # type: ignore[return-value]
@@ -426,11 +561,22 @@ class VLLMEngine:
     nbytes = sum(t.nbytes for t in tensors.values())
     tmp = _weights_dir(nbytes)
     try:
-      path = os.path.join(tmp, "weights.safetensors")
+      path = os.path.join(tmp, _WEIGHTS_FILE)
       save_file(tensors, path)
       res = self._call({"op": "update_weights", "path": path}, "update_weights")
-    finally:
+    except BaseException:
       shutil.rmtree(tmp, ignore_errors=True)
+      raise
+    # Kept until the next push: a restarted worker is brought up to these weights.
+    old, self._live["weights_dir"] = self._live["weights_dir"], tmp
+    if old is not None:
+      shutil.rmtree(old, ignore_errors=True)
+    if self.max_restarts == 0:
+      self._live["weights_dir"] = None
+      shutil.rmtree(tmp, ignore_errors=True)
+    if res["weight_transfer"] != self.weight_transfer:
+      raise RuntimeError(f"the vLLM worker loaded weights via {res['weight_transfer']}, "
+                         f"not {self.weight_transfer}")
     if any(c != len(tensors) for c in res["tensors_loaded"]):
       raise RuntimeError(f"vLLM loaded {res['tensors_loaded']} of {len(tensors)} tensors")
     self.stats["weight_updates"] += 1

@@ -42,6 +42,9 @@ class Node:
     step: tool-call step of the episode the node belongs to (0 = prompt).
     rewards: per-node reward channels, e.g. {"format": 0.725} for PORTool's
       formatting rubric of this step (raw, in [0, 1]).
+    version: the policy version whose weights sampled the node (policy nodes from a
+      versioned engine; None when unknown). Asynchronous rollouts can grow one tree
+      across versions; the trainer's staleness is its version minus this.
   """
 
   parent: int
@@ -51,6 +54,7 @@ class Node:
   entropies: list[float] | None = None
   step: int = 0
   rewards: dict[str, float] = dataclasses.field(default_factory=dict)
+  version: int | None = None
 
 
 @dataclasses.dataclass
@@ -100,6 +104,7 @@ class RolloutTree:
       entropies: Sequence[Real] | None = None,
       step: int | None = None,
       rewards: Mapping[str, Real] | None = None,
+      version: int | None = None,
   ) -> int:
     """Appends a node under `parent` and returns its index.
 
@@ -123,6 +128,7 @@ class RolloutTree:
             entropies=None if entropies is None else [float(x) for x in entropies],
             step=step,
             rewards={k: float(v) for k, v in (rewards or {}).items()},
+            version=None if version is None else int(version),
         )
     )
     return len(self.nodes) - 1
@@ -210,7 +216,7 @@ class RolloutTree:
     cut = lambda a: (None, None) if a is None else (a[:pos], a[pos:])
     (lp_head, lp_tail), (ent_head, ent_tail) = cut(old.logprobs), cut(old.entropies)
     tail = Node(parent=node, kind=old.kind, tokens=old.tokens[pos:], logprobs=lp_tail,
-                entropies=ent_tail, step=old.step, rewards=old.rewards)
+                entropies=ent_tail, step=old.step, rewards=old.rewards, version=old.version)
     old.tokens, old.logprobs, old.entropies, old.rewards = (
         old.tokens[:pos], lp_head, ent_head, {})
     for other in self.nodes:
@@ -456,6 +462,7 @@ class RolloutTree:
                 "entropies": node.entropies,
                 "step": node.step,
                 "rewards": dict(node.rewards),
+                **({} if node.version is None else {"version": node.version}),
             }
             for node in self.nodes
         ],
@@ -483,6 +490,7 @@ class RolloutTree:
               entropies=x.get("entropies"),
               step=int(x.get("step", 0)),
               rewards={k: float(v) for k, v in x.get("rewards", {}).items()},
+              version=None if x.get("version") is None else int(x["version"]),
           )
           for x in d["nodes"]
       ]

@@ -8,7 +8,9 @@ back. Everything crossing the socket is plain Python (dicts, lists, ints,
 floats, strings), so the two interpreters share no classes. The exchange:
 
   1. trainer -> worker: the engine config (a dict, see `_build`);
-     worker -> trainer: {"ok": True, "info": {...}} once the model is loaded.
+     worker -> trainer: {"ok": True, "info": {...}} once the model is loaded (with
+     "weight_transfer": the backend of vLLM's weight-transfer API that weight pushes use,
+     or "in_place" where this vLLM has no such API or the config asks for the reload).
   2. any number of requests {"op": "generate" | "update_weights"},
      each answered by {"ok": True, "result": ...} or {"ok": False, "error":
      <traceback text>}; a failed request leaves the worker serving.
@@ -29,6 +31,29 @@ from multiprocessing.connection import Client
 from typing import Any
 
 EXTENSION = "tree_rl_vllm_worker.extension.WeightSyncExtension"
+IN_PLACE = "in_place"
+# The LLM methods that drive vLLM's weight-transfer API.
+_TRANSFER_RPCS = ("init_weight_transfer_engine", "start_weight_update", "update_weights",
+                  "finish_weight_update")
+
+
+def _transfer_backend(config: dict[str, Any]) -> str:
+  """The weight-transfer path: our backend on vLLM's weight-transfer API when this vLLM has
+  the API (found by import and attribute, never by version) and the config allows it
+  ("auto"); else IN_PLACE (the extension's `tree_rl_load_weights`)."""
+  mode = config.get("weight_transfer", "auto")
+  if mode not in ("auto", IN_PLACE):
+    raise ValueError(f"weight_transfer={mode!r} must be 'auto' or {IN_PLACE!r}")
+  if mode == IN_PLACE:
+    return IN_PLACE
+  from vllm import LLM  # noqa: PLC0415
+
+  from tree_rl_vllm_worker.extension import register_file_backend  # noqa: PLC0415
+
+  backend = register_file_backend()
+  if backend is None or not all(callable(getattr(LLM, m, None)) for m in _TRANSFER_RPCS):
+    return IN_PLACE
+  return backend
 
 
 def _configure_process(config: dict[str, Any]) -> None:
@@ -87,8 +112,16 @@ def _build(config: dict[str, Any]):
     kwargs["max_num_seqs"] = int(config["max_num_seqs"])
   if config["in_process_engine"]:
     kwargs["distributed_executor_backend"] = "uni"
+  transfer = _transfer_backend(config)
+  if transfer != IN_PLACE:
+    from vllm.config import WeightTransferConfig  # noqa: PLC0415
+
+    kwargs["weight_transfer_config"] = WeightTransferConfig(backend=transfer)
   kwargs.update(config.get("llm_kwargs") or {})
-  return LLM(**kwargs)
+  llm = LLM(**kwargs)
+  if transfer != IN_PLACE:
+    llm.init_weight_transfer_engine({"init_info": {}})
+  return llm, transfer
 
 
 def _sampling_params(req: dict[str, Any], logprobs_k: int):
@@ -146,12 +179,18 @@ def _generate(llm, msg: dict[str, Any], logprobs_k: int) -> list[dict[str, Any]]
   return results
 
 
-def _update_weights(llm, msg: dict[str, Any]) -> dict[str, Any]:
-  counts = llm.collective_rpc("tree_rl_load_weights", args=(msg["path"], msg.get("names")))
+def _update_weights(llm, transfer: str, msg: dict[str, Any]) -> dict[str, Any]:
+  if transfer == IN_PLACE:
+    counts = llm.collective_rpc("tree_rl_load_weights", args=(msg["path"], msg.get("names")))
+  else:  # vLLM's weight-transfer API, one update of our file backend
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"path": msg["path"], "names": msg.get("names")}})
+    llm.finish_weight_update()
+    counts = llm.collective_rpc("tree_rl_transfer_count")
   # The cached KV blocks were computed with the old weights.
   if not llm.reset_prefix_cache():
     raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-  return {"tensors_loaded": [int(c) for c in counts]}
+  return {"tensors_loaded": [int(c) for c in counts], "weight_transfer": transfer}
 
 
 def serve(address: str, authkey: bytes) -> int:
@@ -159,12 +198,13 @@ def serve(address: str, authkey: bytes) -> int:
   config = conn.recv()
   try:
     _configure_process(config)
-    llm = _build(config)
+    llm, transfer = _build(config)
     import vllm  # noqa: PLC0415
 
     cache = llm.llm_engine.vllm_config.cache_config
     conn.send({"ok": True, "info": {
         "vllm_version": vllm.__version__, "block_size": int(cache.block_size),
+        "weight_transfer": transfer,
         "in_process_engine": config["in_process_engine"], "pid": os.getpid()}})
   except BaseException:  # noqa: BLE001  (reported to the trainer, then exit)
     conn.send({"ok": False, "error": traceback.format_exc()})
@@ -183,7 +223,7 @@ def serve(address: str, authkey: bytes) -> int:
       if op == "generate":
         result = _generate(llm, msg, logprobs_k)
       elif op == "update_weights":
-        result = _update_weights(llm, msg)
+        result = _update_weights(llm, transfer, msg)
       else:
         raise ValueError(f"unknown op {op!r}")
       conn.send({"ok": True, "result": result})

@@ -1,0 +1,128 @@
+"""A lost vLLM worker is restarted and the call retried: one killed (SIGKILL) or frozen
+(SIGSTOP) in the middle of a generate comes back with the last pushed weights, and the
+generate returns what an undisturbed one does (greedy and seeded requests); once the
+restarts of a call are used up it raises WorkerLost, and the next call starts afresh.
+
+Needs an interpreter with vLLM (`$TREE_RL_VLLM_PYTHON`, see
+third_party/vllm_worker/README.md); without one these tests skip.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import jax
+import pytest
+from flax import nnx
+
+from tree_rl.models import Decoder, ModelConfig
+from tree_rl.models.hf_io import save_hf
+from tree_rl.rollout.engine import GenerationRequest, SamplingParams
+from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, VLLMEngine, WorkerLost, find_vllm_python
+
+# vLLM's CPU attention needs head_dim >= 64; no tokenizer in the folder (eos_ids=()).
+CFG = ModelConfig.tiny(head_dim=64, hidden_size=128, num_attention_heads=2,
+                       num_key_value_heads=1, vocab_size=49152)
+# A generate takes a few seconds on 2 CPU cores, so a signal sent after SIGNAL_AFTER_S lands
+# in the middle of it; a frozen worker is given up on after CALL_TIMEOUT_S.
+NEW_TOKENS = 160
+SIGNAL_AFTER_S = 1.0
+CALL_TIMEOUT_S = 20.0
+
+
+def _model(seed):
+  """Random weights scaled x3: at the init scale, greedy decoding repeats one token."""
+  graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(seed)))
+  return nnx.merge(graphdef, jax.tree.map(lambda x: 3.0 * x, state))
+
+
+def _requests():
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS)
+  sampled = SamplingParams(temperature=1.0, top_k=50, max_new_tokens=NEW_TOKENS)
+  ctxs = [tuple(range(5 + i, 25 + 3 * i)) for i in range(6)]
+  return ([GenerationRequest(c, greedy) for c in ctxs[:3]]
+          + [GenerationRequest(c, sampled, seed=i) for i, c in enumerate(ctxs[3:])])
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  python = find_vllm_python()
+  if python is None:
+    given = os.environ.get(VLLM_PYTHON_ENV)
+    why = f"{given!r} is not an executable" if given else "is unset"
+    pytest.skip(f"no interpreter with vLLM (${VLLM_PYTHON_ENV} {why};"
+                " see third_party/vllm_worker/README.md)")
+  folder = save_hf(_model(0), tmp_path_factory.mktemp("vllm") / "tiny")
+  eng = VLLMEngine(folder, python=python, max_model_len=512, eos_ids=(), seed=0,
+                   block_size=32, logprobs_k=5, kv_cache_gb=0.25,
+                   call_timeout_s=CALL_TIMEOUT_S, generate_s_per_token=0.0, max_restarts=2)
+  try:
+    before = [r.tokens for r in eng.generate(_requests())]
+    # Weights pushed since the start: a restarted worker must come back with these.
+    eng.update_weights(_model(1))
+    want = [(r.tokens, r.logprobs) for r in eng.generate(_requests())]
+    assert [t for t, _ in want] != before  # the push changed what is sampled
+    yield eng, want
+  finally:
+    eng.close()
+
+
+def _disturbed_generate(eng, sig):
+  """generate in a thread, `sig` sent to the worker mid-way; (results, seconds, old pid)."""
+  box = {}
+  thread = threading.Thread(target=lambda: box.update(out=eng.generate(_requests())),
+                            daemon=True)
+  pid = eng.info["pid"]
+  start = time.monotonic()
+  thread.start()
+  time.sleep(SIGNAL_AFTER_S)
+  assert thread.is_alive(), "the generate ended before the signal: make it longer"
+  os.kill(pid, sig)
+  thread.join(timeout=CALL_TIMEOUT_S + 120)
+  assert not thread.is_alive(), "the generate did not come back"
+  return box["out"], time.monotonic() - start, pid
+
+
+def _gone(pid):
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return True
+  return False
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_worker_is_restarted_and_the_generate_completes(setup, sig):
+  eng, want = setup
+  restarts = eng.restarts
+  out, seconds, old_pid = _disturbed_generate(eng, sig)
+  assert eng.restarts == eng.stats["worker_restarts"] == restarts + 1
+  assert eng.info["pid"] != old_pid and _gone(old_pid)
+  # The same tokens, from the pushed weights, as the undisturbed generate.
+  assert [r.tokens for r in out] == [t for t, _ in want]
+  for r, (_, lps) in zip(out, want):
+    assert r.logprobs == pytest.approx(lps, abs=1e-5)
+  if sig == signal.SIGSTOP:  # noticed at the call's time limit, not before
+    assert seconds >= CALL_TIMEOUT_S
+  print(f"{signal.Signals(sig).name}: generate came back in {seconds:.1f}s")
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_used_up_restarts_raise_and_the_next_call_starts_afresh(setup):
+  eng, want = setup
+  eng.max_restarts = 0
+  try:
+    os.kill(eng.info["pid"], signal.SIGKILL)
+    with pytest.raises(WorkerLost, match="gave up on generate after 0 restart") as lost:
+      eng.generate(_requests())
+    assert "status -9" in str(lost.value)  # says how the worker ended (SIGKILL)
+  finally:
+    eng.max_restarts = 2
+  restarts = eng.restarts
+  out = eng.generate(_requests())
+  assert eng.restarts == restarts + 1
+  assert [r.tokens for r in out] == [t for t, _ in want]
