@@ -46,8 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
                    dynamic_sampling=False, dynamic_sampling_extra_rounds=8,
                    generator_memory_fraction=0.5, learner_memory_fraction=0.0,
                    backend="local", num_workers=1, worker_num_cpus=1.0, worker_num_gpus=0.0,
-                   worker_timeout_s=600.0, max_staleness=0)
-  c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1)
+                   worker_timeout_s=600.0, max_staleness=0, max_bad_tree_fraction=0.25)
+  c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1,
+                max_skipped_steps=3)
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
   c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
   c.profile = dict(mode="", start_step=1, num_steps=1)

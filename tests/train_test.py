@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tree_rl import train
+from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.envs.base import Outcome
 
@@ -392,6 +393,6 @@ def test_sft_order_groups_tasks_by_system_prompt_and_rotates():
                 tool_names=(), answer=None)
 
   tasks = [task(0, "A"), task(1, "B"), task(2, "A"), task(3, "C"), task(4, "A"), task(5, "B")]
-  order = [t.task_id for t in train._by_system_prompt(tasks, 2)]
+  order = [t.task_id for t in order_by_system_prompt(tasks, 2)]
   # Runs of 2 per prompt (A0 A2 | B1 B5 | C3), interleaved round-robin, then A's rest.
   assert order == ["0", "2", "1", "5", "3", "4"]

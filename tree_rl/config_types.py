@@ -149,6 +149,10 @@ class RolloutSpec:
   # `max_staleness` steps ahead of the learner, so every trained token was sampled by a
   # policy at most that many updates old; 0 is the synchronous loop.
   max_staleness: int = 0
+  # A tree that fails `RolloutTree.check` (a NaN reward, a token outside the vocabulary...)
+  # or does not fit the largest token bucket is dropped, logged and counted; more than this
+  # fraction of a step's trees dropped stops the run, naming them.
+  max_bad_tree_fraction: float = 0.25
 
   def _check_fleet(self) -> None:
     """The fleet can split this rollout; Ray's per-worker settings only with backend='ray'."""
@@ -196,6 +200,9 @@ class RolloutSpec:
 
   def __post_init__(self):
     _choice("rollout", "engine", self.engine, ENGINES)
+    f = self.max_bad_tree_fraction
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f < 1.0:
+      raise ValueError(f"config.rollout.max_bad_tree_fraction={f!r} must be a number in [0, 1)")
     self._check_memory_shares()
     self._check_fleet()
     if not isinstance(self.dynamic_sampling, bool):
@@ -264,6 +271,9 @@ class AlgoSpec:
   loss: dict = dataclasses.field(default_factory=dict)  # LossConfig fields
   num_epochs: int = 1
   num_minibatches: int = 1
+  # An update whose loss or gradient norm is not finite is skipped (the pre-step state
+  # kept); this many skipped steps in a row stop the run, naming them.
+  max_skipped_steps: int = 3
 
   def __post_init__(self):
     _choice("algo", "estimator", self.estimator, [k.value for k in registry.registered()])
@@ -281,7 +291,8 @@ class AlgoSpec:
       if unused:
         raise ValueError(f"config.algo.estimator_kwargs: {unused} have no effect with "
                          f"overlong_shaping=False; remove them")
-    _positive("algo", num_epochs=self.num_epochs, num_minibatches=self.num_minibatches)
+    _positive("algo", num_epochs=self.num_epochs, num_minibatches=self.num_minibatches,
+              max_skipped_steps=self.max_skipped_steps)
 
   def loss_config(self) -> LossConfig:
     return _build(LossConfig, "algo.loss", self.loss)

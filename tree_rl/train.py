@@ -30,6 +30,7 @@ from flax import nnx
 from tree_rl import distributed
 from tree_rl import metrics as metrics_lib
 from tree_rl.algos import ppo
+from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.algos.trace import effective_ratio
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.config_types import RunConfig
@@ -50,7 +51,7 @@ from tree_rl.rollout.pipeline import Produced, RolloutPipeline, VersionedEngine,
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
 from tree_rl.tree.batch import Buckets, pack
-from tree_rl.tree.rollout_tree import RolloutTree
+from tree_rl.tree.rollout_tree import RolloutTree, TreeError
 
 EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
              "avg_formatting_raw"]
@@ -89,12 +90,12 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
   prompts' rollouts with the current policy theta_k (branch points scored and
   branches sampled after the weights of update k - 1 are synced) and update on them.
 
-  Returns (state, trees, trees without leaves, metrics averaged over the mini-batches,
-  each mini-batch's (trees, the policy version that trained them)).
+  Returns (state, trees, the bad trees dropped (`_pack`), metrics averaged over the
+  mini-batches, each mini-batch's (trees, the policy version that trained them)).
   """
   parts: list[dict[str, Any]] = []
   trained: list[tuple[list, int]] = []
-  n_empty = 0
+  bad: list[tuple[str, str]] = []
   with agent.open_forest(tasks) as forest:
     with timer("rollout"):
       strategy.initial(forest)
@@ -106,15 +107,15 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
         strategy.branch(forest, ids)
       part_trees = forest.take(ids)
       trained.append((part_trees, version()))
-      batch, empty = pack_fn(part_trees)
-      n_empty += empty
+      batch, part_bad = pack_fn(part_trees)
+      bad += part_bad
       if batch is not None:
         with timer("update"):
           state, m = update(state, batch, jax.random.fold_in(key, k))
           parts.append(jax.device_get(m))
     trees = agent.close_forest(forest)
   m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
-  return state, trees, n_empty, m, trained
+  return state, trees, bad, m, trained
 
 
 def _check_vllm(cfg: RunConfig) -> str | None:
@@ -190,28 +191,37 @@ def _restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str
                             "arrays": source.restore_extra(arrays) if arrays else arrays})
 
 
-def _by_system_prompt(tasks: list, n: int) -> list:
-  """`tasks` reordered so that consecutive runs of `n` share a system prompt where they can
-  (SFT merges a step's trajectories below their shared prompt prefix) while successive
-  runs rotate through the prompts: each prompt's tasks are cut into runs of `n`, and the
-  runs are interleaved round-robin (prompts in order of first appearance)."""
-  groups: dict[str, list] = {}
-  for t in tasks:
-    first = t.messages[0] if t.messages else {}
-    groups.setdefault(first.get("content", "") if first.get("role") == "system" else "", []
-                      ).append(t)
-  runs = [[g[i:i + n] for i in range(0, len(g), n)] for g in groups.values()]
-  return [t for k in range(max(map(len, runs))) for g in runs if k < len(g) for t in g[k]]
-
-
 def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
-  """Packs the trees that have leaves (a tree can lose every episode to a full context);
-  leaf channels in `absent_as_nan` are NaN where a leaf lacks them (AWPO's missing judge
-  score, docs/methods/awpo.md)."""
-  kept = [t for t in trees if t.leaves]
-  if not kept:
-    return None, len(trees)
-  return pack(kept, buckets, absent_as_nan=absent_as_nan), len(trees) - len(kept)
+  """Packs the sound trees: (TreeBatch or None, [(task id, why)] of the bad ones dropped).
+
+  A tree without leaves (every episode lost to a full context) is left out silently (the
+  step logs rollout/empty_trees); one that fails `RolloutTree.check` (a NaN reward, ...) or
+  holds more tokens than the largest bucket is dropped with a warning. Leaf channels in
+  `absent_as_nan` are NaN where a leaf lacks them (AWPO's missing judge score,
+  docs/methods/awpo.md)."""
+  kept, bad = [], []
+  for t in trees:
+    if not t.leaves:
+      continue
+    try:
+      t.check()
+      if t.num_tokens() > buckets.tokens[-1]:
+        raise TreeError(f"{t.num_tokens()} tokens exceed the largest bucket "
+                        f"({buckets.tokens[-1]})")
+    except TreeError as e:
+      bad.append((str(t.meta.get("task_id")), str(e)))
+      logging.warning("dropping the tree of task %s: %s", *bad[-1])
+      continue
+    kept.append(t)
+  return (pack(kept, buckets, absent_as_nan=absent_as_nan) if kept else None), bad
+
+
+def _check_bad_trees(step: int, bad: list, trees: int, max_fraction: float) -> None:
+  """Stops the run when more than `max_fraction` of a step's trees were dropped."""
+  if len(bad) > max_fraction * trees:
+    named = "; ".join(f"task {t}: {why}" for t, why in bad)
+    raise RuntimeError(f"step {step}: {len(bad)} of {trees} trees failed their checks, more than "
+                       f"config.rollout.max_bad_tree_fraction={max_fraction}: {named}")
 
 
 # Packed row lengths: multiples of 256 up to 8k tokens, then powers of two. A new
@@ -439,12 +449,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
       n = cfg.sft.tasks_per_step
-      order = _by_system_prompt(train_tasks, n)
+      order = order_by_system_prompt(train_tasks, n)
       for i in range(cfg.sft.steps):
         tasks = [order[(i * n + j) % len(order)] for j in range(n)]
         # One tree per step: the step's trajectories store their shared prompt once.
         trees = [t for t in teacher.rollout(tasks) if t.leaves]
-        batch, _ = _pack([RolloutTree.merge_prompts(trees)], _buckets(placement.trees_bucket(1)))
+        batch, bad = _pack([RolloutTree.merge_prompts(trees)], _buckets(placement.trees_bucket(1)))
+        _check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
         sft_state, m = sft_step(fit(sft_state, batch), batch)
         writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
@@ -453,7 +464,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       run_eval("sft", 0)
 
     # ============================== Train loop ==============================
-    start, done = int(meta["step"]), 0
+    start, done, skipped = int(meta["step"]), 0, []
     base_key = jax.random.key(cfg.seed)
 
     def produce(step: int, pos: int) -> Produced:
@@ -488,7 +499,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         if r.max_staleness:  # grown in the producer, overlapping earlier updates
           row["time/rollout"] = produced.seconds
         if per_minibatch:
-          state, trees, _, m, trained = _appo_minibatch_step(
+          state, trees, bad, m, trained = _appo_minibatch_step(
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
               lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
               lambda trees: _pack(trees, minibatch_buckets, unscored), sync_weights, update_key,
@@ -499,7 +510,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         else:
           got, method = produced.rollout, produced.method_state
           trained = [(got.train, engine.published)]
-          batch, _ = _pack(got.train, buckets, unscored)
+          batch, bad = _pack(got.train, buckets, unscored)
           m = None
           if batch is None and mixed_channels is not None:
             logging.warning("step %d: no mixed group after dynamic sampling; no update", step)
@@ -511,19 +522,26 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
               m = jax.device_get(m)
         meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
         row.update(staleness(trained))
+        row["rollout/bad_trees"] = float(len(bad))
+        _check_bad_trees(step, bad, len(got.trees), r.max_bad_tree_fraction)
         if m is not None:
           row.update({k: float(np.asarray(v)) for k, v in m.items()})
-          for k in ("loss", "l2_grads"):
-            if k in row and not np.isfinite(row[k]):
-              raise FloatingPointError(f"step {step}: {k}={row[k]} is not finite")
+          skipped = skipped + [step] if row["skipped"] else []  # non-finite: state kept
+          if len(skipped) >= cfg.algo.max_skipped_steps:
+            raise FloatingPointError(
+                f"steps {skipped}: the loss or gradient norm was not finite in "
+                f"{len(skipped)} updates in a row (config.algo.max_skipped_steps); each was "
+                f"skipped and the run stops at step {step}, its last checkpoint is step "
+                f"{ckpt.latest_step()}")
         sync_weights(state)
       if prof.mode and step == prof.start_step + prof.num_steps - 1:
         jax.profiler.stop_trace()
-      # Rewards and rollout counts over every tree rolled out (dropped groups included).
+      # Rewards and rollout counts over every tree rolled out (dropped groups included; a
+      # bad tree's non-finite rewards left out).
       leaves = [leaf for t in got.trees for leaf in t.leaves]
+      outcomes = [lf.rewards["outcome"] for lf in leaves if np.isfinite(lf.rewards["outcome"])]
       row.update({
-          "reward/outcome_mean": float(np.mean([lf.rewards["outcome"] for lf in leaves]))
-          if leaves else float("nan"),
+          "reward/outcome_mean": float(np.mean(outcomes)) if outcomes else float("nan"),
           "rollout/empty_trees": float(sum(not t.leaves for t in got.trees)), **timer.pop(),
           **got.metrics(), **(fleet.metrics() if fleet is not None else {}),
           **({"rollout/engine_restarts": float(sampler.restarts)}  # a vLLM worker's, in total

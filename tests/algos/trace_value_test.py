@@ -177,7 +177,7 @@ def test_predictor_state_survives_the_trainer_checkpoint(tmp_path, name):
   policy_state = {"w": jnp.arange(4.0)}
   ckpt = RunCheckpointer(tmp_path / "checkpoints")
   meta = {"step": 3}
-  train._save(ckpt, 3, policy_state, meta, ran)
+  train._save(ckpt, 3, policy_state, meta, train._method_state(ran))
   ckpt.close()
   assert set(meta["method_state"]) >= {"predictor"}
 
@@ -199,7 +199,8 @@ def test_predictor_state_survives_the_trainer_checkpoint(tmp_path, name):
 def test_checkpoint_of_another_predictor_fails_clearly(tmp_path):
   ckpt = RunCheckpointer(tmp_path)
   meta = {"step": 1}
-  train._save(ckpt, 1, {"w": jnp.zeros(2)}, meta, TRACEStrategy(predictor=RunningMeanPredictor()))
+  train._save(ckpt, 1, {"w": jnp.zeros(2)}, meta,
+              train._method_state(TRACEStrategy(predictor=RunningMeanPredictor())))
   other = TRACEStrategy(predictor=make_predictor("value_head", vocab_size=VOCAB,
                                                  **dataclasses.asdict(TINY)))
   with pytest.raises((ValueError, FileNotFoundError), match="RunningMeanPredictor|another config"):

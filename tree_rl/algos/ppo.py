@@ -150,8 +150,15 @@ def make_update_step(config: PPOConfig, optimizer: optax.GradientTransformation)
                      l2_params=_global_norm(params))
       return state.replace(params=params, opt_state=opt_state), metrics
 
-    state, metrics = lax.scan(one, state, perms)
+    new, metrics = lax.scan(one, state, perms)
+    # A step with a non-finite loss or gradient norm in any mini-batch is skipped whole: the
+    # pre-step state is kept (`skipped` = 1; the trainer counts and bounds them).
+    finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["l2_grads"]))
     metrics = jax.tree.map(jnp.mean, metrics)
+    metrics["skipped"] = (~finite).astype(jnp.float32)
+    keep = lambda n, o: jnp.where(finite, n, o)
+    state = state.replace(params=jax.tree.map(keep, new.params, state.params),
+                          opt_state=jax.tree.map(keep, new.opt_state, state.opt_state))
     return state.replace(step=state.step + 1), metrics
 
   return update_step

@@ -45,3 +45,17 @@ def jit_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 5
     kw = dict(in_shardings=(state_shardings, batch_shardings),
               out_shardings=(state_shardings, None))
   return jax.jit(make_sft_step(optimizer, logprob_chunk), donate_argnums=0, **kw)
+
+
+def order_by_system_prompt(tasks: list, n: int) -> list:
+  """`tasks` reordered so that consecutive runs of `n` share a system prompt where they can
+  (SFT merges a step's trajectories below their shared prompt prefix) while successive
+  runs rotate through the prompts: each prompt's tasks are cut into runs of `n`, and the
+  runs are interleaved round-robin (prompts in order of first appearance)."""
+  groups: dict[str, list] = {}
+  for t in tasks:
+    first = t.messages[0] if t.messages else {}
+    groups.setdefault(first.get("content", "") if first.get("role") == "system" else "", []
+                      ).append(t)
+  runs = [[g[i:i + n] for i in range(0, len(g), n)] for g in groups.values()]
+  return [t for k in range(max(map(len, runs))) for g in runs if k < len(g) for t in g[k]]
