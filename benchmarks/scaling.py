@@ -305,8 +305,8 @@ def _train(folder: str, args, staleness: int, workdir: str) -> tuple[list[dict],
   stamps: list[float] = []
   write = metrics_lib.MetricWriter.write
 
-  def stamped(self, step, metrics):
-    write(self, step, metrics)
+  def stamped(self, step, metrics, phase="rl"):
+    write(self, step, metrics, phase)
     if "reward/outcome_mean" in metrics:
       stamps.append(time.perf_counter())
 

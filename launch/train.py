@@ -28,6 +28,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, evals); "
                                "default: ./runs/<config name>.")
 _PLATFORM = flags.DEFINE_string("jax_platform", "", "Force a JAX platform (cpu, gpu, tpu).")
+_ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False,
+                                  "Resume the workdir's run even though the config differs "
+                                  "from its saved config.json (beyond num_steps, eval and "
+                                  "checkpoint cadence, profiling and process settings).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -61,7 +65,7 @@ def main(argv):
       "runs", pathlib.Path(flags.FLAGS["config"].config_filename).stem)
   logging.info("JAX process %d of %d, devices: %s; workdir %s", jax.process_index(),
                jax.process_count(), jax.devices(), workdir)
-  train.train_and_evaluate(_CONFIG.value, workdir)
+  train.train_and_evaluate(_CONFIG.value, workdir, allow_config_change=_ALLOW_CHANGE.value)
 
 
 if __name__ == "__main__":

@@ -156,9 +156,10 @@ def test_only_the_primary_process_writes_metrics(tmp_path):
   quiet.write(1, {"loss": 0.5})
   quiet.progress(1, 1, "x")
   quiet.close()
-  assert quiet.history == [{"step": 1, "loss": 0.5}] and not (tmp_path / "other").exists()
+  assert quiet.history == [{"step": 1, "phase": "rl", "loss": 0.5}]
+  assert not (tmp_path / "other").exists()
   main = metrics.MetricWriter(tmp_path / "main", total_steps=2)
   main.write(1, {"loss": 0.5})
   main.close()
-  assert json.loads((tmp_path / "main" / "metrics.jsonl").read_text()) == {"step": 1,
-                                                                           "loss": 0.5}
+  assert json.loads((tmp_path / "main" / "metrics.jsonl").read_text()) == {
+      "step": 1, "phase": "rl", "loss": 0.5}

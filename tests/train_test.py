@@ -313,8 +313,10 @@ def test_incompatible_checkpoint_in_workdir_fails_clearly(tmp_path):
   c2 = _config("grpo")
   with c2.unlocked():
     c2.model.lora_rank = 4
-  with pytest.raises(ValueError, match="fresh --workdir"):
+  with pytest.raises(ValueError, match=r"another config \(model\.lora_rank: 8 -> 4\)"):
     train.train_and_evaluate(c2, str(tmp_path))
+  with pytest.raises(ValueError, match="fresh --workdir"):  # allowed, but it cannot restore
+    train.train_and_evaluate(c2, str(tmp_path), allow_config_change=True)
 
 
 def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):

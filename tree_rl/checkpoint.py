@@ -33,6 +33,7 @@ config.json (`tree_rl.policy`) and restores the checkpoint into it.
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 from typing import Any
@@ -172,3 +173,68 @@ def restore_policy(workdir: str | pathlib.Path, step: int | None = None
   finally:
     ckpt.close()
   return state.model(), tokenizer, cfg
+
+
+# What a resumed run may change without `allow_config_change`: how long it runs, how often it
+# evaluates and saves, what it profiles, and where its processes and vLLM live. Anything
+# else would make the resumed run a different experiment than the one it continues.
+RESUMABLE_FIELDS = ("num_steps", "eval_every_steps", "ckpt_every_steps", "keep_checkpoints",
+                    "profile", "distributed", "rollout.worker_timeout_s", "rollout.vllm_python")
+
+
+def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(values, dict):
+    return {prefix: values}
+  out: dict[str, Any] = {}
+  for k, v in values.items():
+    out.update(_flatten(v, f"{prefix}{k}."))
+  return {k.rstrip("."): v for k, v in out.items()}
+
+
+def write_run_config(workdir: pathlib.Path, values: dict[str, Any], resuming: bool,
+                     allow_change: bool = False, write: bool = True) -> None:
+  """Writes the run's config to `workdir/config.json` atomically (a temporary file, then a
+  rename). When `resuming` the run's own checkpoint, a config that differs from the saved
+  one outside RESUMABLE_FIELDS fails, naming each changed key with its old and new value,
+  unless `allow_change` (keys the saved file lacks, added by a later tree_rl, do not count).
+  `write=False` (processes other than 0) only checks."""
+  path = workdir / "config.json"
+  text = json.dumps(values, indent=2, default=str, sort_keys=True)
+  if resuming and path.exists() and not allow_change:
+    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(text))
+    changed = sorted(k for k in old if old[k] != new.get(k, old[k]) and not any(
+        k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS))
+    if changed:
+      diff = "; ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed)
+      raise ValueError(f"{workdir} holds a run with another config ({diff}). Resume it with "
+                       f"its saved config.json, use another workdir, or allow the change "
+                       f"explicitly (train_and_evaluate(..., allow_config_change=True), "
+                       f"launch/train.py --allow_config_change)")
+  if write:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def method_state(strategy: Any) -> dict[str, Any] | None:
+  """A snapshot of a strategy's learned state (TRACE's predictor), or None."""
+  return copy.deepcopy(strategy.state_dict()) if hasattr(strategy, "state_dict") else None
+
+
+def save_run(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any],
+             method: dict[str, Any] | None) -> None:
+  """Saves the run. A strategy's learned state as of the step's rollout (`method_state`) is
+  saved too: the JSON part in meta["method_state"], the arrays as the checkpoint's extra."""
+  extra = None
+  if method is not None:
+    meta["method_state"], extra = method["meta"], method["arrays"] or None
+  ckpt.save(step, state, meta, extra=extra)
+
+
+def restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str, Any]) -> None:
+  """Loads what `save_run` stored for the strategy (a checkpoint without it: nothing)."""
+  if not hasattr(strategy, "load_state_dict") or "method_state" not in meta:
+    return
+  arrays = strategy.state_dict()["arrays"]  # a fresh state: the structure to restore into
+  strategy.load_state_dict({"meta": meta["method_state"],
+                            "arrays": source.restore_extra(arrays) if arrays else arrays})

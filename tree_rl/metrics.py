@@ -13,7 +13,9 @@ from collections.abc import Iterator, Mapping
 
 
 class MetricWriter:
-  """Writes `{step, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard scalars.
+  """Writes `{step, phase, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard
+  scalars. `phase` says what wrote the row: "rl" (a training step), "sft" (a warm-start
+  step) or "eval:<stage>" (an evaluation), so each (phase, step) has one row.
 
   `primary=False` (every process but 0 of a multi-process run, which computes the same
   metrics): nothing is written or printed; `history` is kept all the same.
@@ -29,8 +31,24 @@ class MetricWriter:
       self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
     self.total, self.t0, self.history = total_steps, time.time(), []
 
-  def write(self, step: int, metrics: Mapping[str, float]) -> None:
-    row = {"step": int(step)}
+  def keep_only(self, keep) -> int:
+    """Rewrites metrics.jsonl with the rows for which `keep(row)` holds (atomically: a
+    temporary file, then a rename) and returns how many were dropped. A resumed run calls
+    it with what its checkpoint holds, so steps it redoes are not logged twice."""
+    if not self.primary:
+      return 0
+    path = self.workdir / "metrics.jsonl"
+    self.jsonl.close()
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    kept = [r for r in rows if keep(r)]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    tmp.replace(path)
+    self.jsonl = open(path, "a", encoding="utf-8")
+    return len(rows) - len(kept)
+
+  def write(self, step: int, metrics: Mapping[str, float], phase: str = "rl") -> None:
+    row: dict = {"step": int(step), "phase": phase}
     for k, v in metrics.items():
       v = float(v)
       row[k] = v if math.isfinite(v) else str(v)

@@ -14,7 +14,6 @@ The sections below keep the same banners in every trainer.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import pathlib
@@ -32,7 +31,8 @@ from tree_rl import metrics as metrics_lib
 from tree_rl.algos import ppo
 from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.algos.trace import effective_ratio
-from tree_rl.checkpoint import RunCheckpointer
+from tree_rl.checkpoint import (RunCheckpointer, method_state, restore_method_state,
+                                save_run, write_run_config)
 from tree_rl.config_types import RunConfig
 from tree_rl.device_memory import apply_learner_memory_fraction
 from tree_rl.envs import make_family
@@ -160,19 +160,14 @@ def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
                     log_file=str(workdir / "vllm_worker.log"))
 
 
-def _method_state(strategy: Any) -> dict[str, Any] | None:
-  """A snapshot of a strategy's learned state (TRACE's predictor), or None."""
-  return copy.deepcopy(strategy.state_dict()) if hasattr(strategy, "state_dict") else None
-
-
-def _save(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any],
-          method: dict[str, Any] | None) -> None:
-  """Saves the run. A strategy's learned state as of the step's rollout (`_method_state`) is
-  saved too: the JSON part in meta["method_state"], the arrays as the checkpoint's extra."""
-  extra = None
-  if method is not None:
-    meta["method_state"], extra = method["meta"], method["arrays"] or None
-  ckpt.save(step, state, meta, extra=extra)
+def _restored_row(row: dict[str, Any], meta: dict[str, Any]) -> bool:
+  """Whether a metrics.jsonl row belongs to what a checkpoint with `meta` holds."""
+  phase = row.get("phase", "rl")
+  if phase == "sft":
+    return bool(meta["sft_done"])
+  if phase.startswith("eval:"):
+    return phase[len("eval:"):] in meta["eval"]
+  return row["step"] <= meta["step"]
 
 
 def _owned(model: Decoder) -> Decoder:
@@ -180,15 +175,6 @@ def _owned(model: Decoder) -> Decoder:
   still samples from this copy while the next update runs."""
   graphdef, st = nnx.split(model)
   return nnx.merge(graphdef, jax.device_put(st, may_alias=False))  # same placement, no compile
-
-
-def _restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str, Any]) -> None:
-  """Loads what `_save` stored for the strategy (a checkpoint without it: nothing)."""
-  if not hasattr(strategy, "load_state_dict") or "method_state" not in meta:
-    return
-  arrays = strategy.state_dict()["arrays"]  # a fresh state: the structure to restore into
-  strategy.load_state_dict({"meta": meta["method_state"],
-                            "arrays": source.restore_extra(arrays) if arrays else arrays})
 
 
 def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
@@ -274,8 +260,11 @@ class _StopFlag:
       signal.signal(sig, old)
 
 
-def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
-  """Runs the configured experiment in `workdir`; returns the final metrics.
+def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
+                       ) -> dict[str, Any]:
+  """Runs the configured experiment in `workdir`; returns the final metrics. Resuming the
+  workdir's run with a different config fails unless `allow_config_change`
+  (checkpoint.write_run_config).
 
   Returns:
     {"eval": {"base"|"sft"|"rl": eval metrics}, "steps": last step, "history": rows}.
@@ -289,9 +278,6 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   primary = distributed.is_primary()  # process 0 writes the files; all compute the same
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
-  if primary:
-    (workdir_path / "config.json").write_text(json.dumps(
-        config.to_dict() if hasattr(config, "to_dict") else dict(config), indent=2, default=str))
   family = make_family(cfg.task.family, **cfg.task.kwargs)
   vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
@@ -327,9 +313,14 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   meta: dict[str, Any] = {"step": 0, "data_position": 0, "eval": {}, "sft_done": False}
   source = ckpt if ckpt.latest_step() is not None else (
       RunCheckpointer(cfg.resume) if cfg.resume else None)
+  write_run_config(workdir_path, config.to_dict() if hasattr(config, "to_dict") else
+                   dict(config), resuming=source is ckpt, allow_change=allow_config_change,
+                   write=primary)
   if source is not None:
     state, meta = source.restore(state)
     logging.info("resumed from %s at step %d", source.directory, meta["step"])
+  # metrics.jsonl keeps the rows of what the checkpoint holds: redone steps are logged once.
+  writer.keep_only(lambda row: source is ckpt and _restored_row(row, meta))
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
@@ -350,7 +341,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
   policy_model = state.model()
   strategy = _strategy(cfg, ppo_config.estimator_config, policy_model, placement)
   if source is not None:
-    _restore_method_state(strategy, source, meta)
+    restore_method_state(strategy, source, meta)
   agent = AgentLoop(engine, chat, family, AgentConfig(
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
       max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=strategy,
@@ -422,7 +413,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
                         max_turns=r.max_turns or None, encode=chat.encode)
     m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
     meta["eval"][stage] = m
-    writer.write(step, {f"eval/{k}": v for k, v in m.items()})
+    writer.write(step, {f"eval/{k}": v for k, v in m.items()}, phase=f"eval:{stage}")
     if not primary:
       return m
     report.to_json(str(workdir_path / f"eval_{stage}.json"))
@@ -457,7 +448,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         batch, bad = _pack([RolloutTree.merge_prompts(trees)], _buckets(placement.trees_bucket(1)))
         _check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
         sft_state, m = sft_step(fit(sft_state, batch), batch)
-        writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()})
+        writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()}, phase="sft")
       state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
       sync_weights(state)
       meta["sft_done"] = True
@@ -481,7 +472,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
         return Produced(step, tasks_at(0, cfg.prompts_per_step), pos + cfg.prompts_per_step)
       got = dynamic_sampling.rollout_step(fleet or agent, tasks_at, cfg.prompts_per_step,
                                           reseed, mixed_channels, r.dynamic_sampling_extra_rounds)
-      return Produced(step, got, pos + got.prompts, _method_state(strategy),
+      return Produced(step, got, pos + got.prompts, method_state(strategy),
                       time.perf_counter() - t)
 
     # S = 0: each step's trees are grown when asked for; S > 0: a producer thread runs ahead.
@@ -506,7 +497,7 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
               timer, lambda: engine.published)
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
                                                     cfg.prompts_per_step)
-          method = _method_state(strategy)
+          method = method_state(strategy)
         else:
           got, method = produced.rollout, produced.method_state
           trained = [(got.train, engine.published)]
@@ -555,13 +546,13 @@ def train_and_evaluate(config: Any, workdir: str) -> dict[str, Any]:
       if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.num_steps:
         run_eval(f"step{step}", step)
       if step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set:
-        _save(ckpt, step, state, meta, method)
+        save_run(ckpt, step, state, meta, method)
       if stop.set:
         break
 
     if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
       run_eval("rl", cfg.num_steps)
-      _save(ckpt, cfg.num_steps, state, meta, _method_state(strategy))
+      save_run(ckpt, cfg.num_steps, state, meta, method_state(strategy))
   finally:
     if pipeline is not None:  # before the engines close under a producer mid-step
       pipeline.close(interrupt=[engine.interrupt])

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tree_rl import train
+from tree_rl import checkpoint, train
 from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor, supervision_examples
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.config_types import RunConfig
@@ -177,14 +177,14 @@ def test_predictor_state_survives_the_trainer_checkpoint(tmp_path, name):
   policy_state = {"w": jnp.arange(4.0)}
   ckpt = RunCheckpointer(tmp_path / "checkpoints")
   meta = {"step": 3}
-  train._save(ckpt, 3, policy_state, meta, train._method_state(ran))
+  checkpoint.save_run(ckpt, 3, policy_state, meta, checkpoint.method_state(ran))
   ckpt.close()
   assert set(meta["method_state"]) >= {"predictor"}
 
   source = RunCheckpointer(tmp_path / "checkpoints")  # a fresh process resumes
   _, restored_meta = source.restore(policy_state)
   resumed = strategy(1)
-  train._restore_method_state(resumed, source, restored_meta)
+  checkpoint.restore_method_state(resumed, source, restored_meta)
   source.close()
   probe = [noise(rng, 5, 90) for _ in range(6)]
   ids = [f"t{i}" for i in range(6)]
@@ -199,12 +199,12 @@ def test_predictor_state_survives_the_trainer_checkpoint(tmp_path, name):
 def test_checkpoint_of_another_predictor_fails_clearly(tmp_path):
   ckpt = RunCheckpointer(tmp_path)
   meta = {"step": 1}
-  train._save(ckpt, 1, {"w": jnp.zeros(2)}, meta,
-              train._method_state(TRACEStrategy(predictor=RunningMeanPredictor())))
+  checkpoint.save_run(ckpt, 1, {"w": jnp.zeros(2)}, meta,
+              checkpoint.method_state(TRACEStrategy(predictor=RunningMeanPredictor())))
   other = TRACEStrategy(predictor=make_predictor("value_head", vocab_size=VOCAB,
                                                  **dataclasses.asdict(TINY)))
   with pytest.raises((ValueError, FileNotFoundError), match="RunningMeanPredictor|another config"):
-    train._restore_method_state(other, ckpt, ckpt.restore({"w": jnp.zeros(2)})[1])
+    checkpoint.restore_method_state(other, ckpt, ckpt.restore({"w": jnp.zeros(2)})[1])
   ckpt.close()
 
 
