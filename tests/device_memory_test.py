@@ -72,7 +72,7 @@ launch = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(launch)
 flags.FLAGS(["train.py"] + sys.argv[1:])
 from tree_rl import train
-train.train_and_evaluate = lambda config, workdir: seen.setdefault(
+train.train_and_evaluate = lambda config, workdir, **kw: seen.setdefault(
     "backend_up_before_train", xla_bridge.backends_are_initialized())
 assert not xla_bridge.backends_are_initialized()
 launch.main([])

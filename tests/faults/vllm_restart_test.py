@@ -26,7 +26,7 @@ CFG = ModelConfig.tiny(head_dim=64, hidden_size=128, num_attention_heads=2,
 # The signal lands once the worker holds the request; a frozen worker is given up on after
 # CALL_TIMEOUT_S.
 NEW_TOKENS = 160
-CALL_TIMEOUT_S = 20.0
+CALL_TIMEOUT_S = 45.0  # room for a loaded 2-core CI machine to answer in time
 
 
 def _model(seed):
@@ -98,7 +98,9 @@ def test_a_lost_worker_is_restarted_and_the_generate_completes(setup, sig):
   eng, want = setup
   restarts = eng.restarts
   out, seconds, old_pid = _disturbed_generate(eng, sig)
-  assert eng.restarts == eng.stats["worker_restarts"] == restarts + 1
+  # At least one restart (a replacement slowed past the limit by a loaded machine is
+  # restarted again, within max_restarts).
+  assert eng.restarts == eng.stats["worker_restarts"] >= restarts + 1
   assert eng.info["pid"] != old_pid and _gone(old_pid)
   # The same tokens, from the pushed weights, as the undisturbed generate.
   assert [r.tokens for r in out] == [t for t, _ in want]
