@@ -184,6 +184,17 @@ def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_pat
   assert [r["step"] for r in again["history"] if "rollout/staleness_max" in r] == [4]
 
 
+def test_async_rollouts_on_two_local_workers(tmp_path):
+  """max_staleness=1 with a local fleet: the workers' first weights are their own copy, so
+  the producer can sample step 2 while update 1 donates the state's buffers."""
+  c = _config("grpo", "runlocal,steps=2")
+  c.rollout.max_staleness, c.rollout.num_workers = 1, 2
+  out = train.train_and_evaluate(c, str(tmp_path))
+  steps = [r for r in out["history"] if "rollout/staleness_max" in r]
+  assert [r["step"] for r in steps] == [1, 2] and int(out["state"].step) == 2
+  assert all(r["rollout/staleness_max"] <= 1.0 for r in steps)
+
+
 def _launch(workdir, steps, extra=()):
   cmd = [sys.executable, str(ROOT / "launch/train.py"),
          f"--config={ROOT / 'configs/grpo.py'}:runlocal,steps={steps}", f"--workdir={workdir}",

@@ -324,13 +324,14 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
+  # The samplers' first weights: their own copy with S > 0, where the producer still samples
+  # from them while the first update donates the state's buffers.
+  first = placement.rollout_model(_owned(state.model()) if r.max_staleness else state.model())
   if r.engine == "vllm":
     sampler = _vllm_engine(cfg, state.model(), tokenizer, chat, workdir_path, vllm_python)
   else:
-    sampler = JaxSampler(placement.rollout_model(_owned(state.model()) if r.max_staleness
-                                                 else state.model()),
-                         rows=r.cache_rows, slots=r.max_context_tokens, tokenizer=tokenizer,
-                         eos_ids=chat.eos_ids, seed=cfg.seed)
+    sampler = JaxSampler(first, rows=r.cache_rows, slots=r.max_context_tokens,
+                         tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
   # Loads each published policy version between generate calls and stamps every sampled
   # node with the version that sampled it (rollout/staleness_*).
   engine = VersionedEngine(sampler)
@@ -348,7 +349,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       leaf_rewards=reasoning)
   # More rollout workers (rollout.backend, num_workers): a step's tasks split across them
   # by task; None: `agent` is the one worker. The trainer's engine still serves eval.
-  fleet = run_fleet(cfg, placement.rollout_model(state.model()), tokenizer, agent.config,
+  fleet = run_fleet(cfg, first, tokenizer, agent.config,
                     {"log_file": str(workdir_path / "vllm_fleet.log")} if r.engine == "vllm"
                     else None)
   buckets = _buckets(placement.trees_bucket(cfg.prompts_per_step, cfg.algo.num_minibatches))
