@@ -199,7 +199,8 @@ def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
       logging.warning("dropping the tree of task %s: %s", *bad[-1])
       continue
     kept.append(t)
-  return (pack(kept, buckets, absent_as_nan=absent_as_nan) if kept else None), bad
+  # Checked above, tree by tree: pack need not check them again.
+  return (pack(kept, buckets, check=False, absent_as_nan=absent_as_nan) if kept else None), bad
 
 
 def _check_bad_trees(step: int, bad: list, trees: int, max_fraction: float) -> None:
@@ -467,10 +468,10 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       step_key = jax.random.fold_in(base_key, step)
       reseed = lambda k: (fleet or engine).reseed(jax.random.fold_in(step_key, k) if k
                                                   else step_key)
-      t = time.perf_counter()
       if per_minibatch:  # grown between the step's updates: here only its tasks, reseeded
         reseed(0)
         return Produced(step, tasks_at(0, cfg.prompts_per_step), pos + cfg.prompts_per_step)
+      t = time.perf_counter()
       got = dynamic_sampling.rollout_step(fleet or agent, tasks_at, cfg.prompts_per_step,
                                           reseed, mixed_channels, r.dynamic_sampling_extra_rounds)
       return Produced(step, got, pos + got.prompts, method_state(strategy),
@@ -560,8 +561,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     stop.restore()
     ckpt.close()
     writer.close()
-    if hasattr(engine, "close"):
-      engine.close()
+    engine.close()
     if fleet is not None:
       fleet.close()
 

@@ -164,36 +164,52 @@ def _next_token_probs(state, tokens):
   return jax.nn.softmax(logits[:, -1], axis=-1)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "tree_grpo", "appo"])
-def test_updates_move_the_policy_towards_rewarded_answers(estimator):
-  """The update's sign and scale, end to end: a one-token bandit rewards a quarter of
-  the vocabulary. Sampled from the policy each step, grouped per prompt, the updates
-  must move most of the probability mass onto the rewarded tokens."""
+# The one-token bandit: a quarter of the vocabulary (tokens 3..18) is rewarded.
+BANDIT_REWARDED = (np.arange(64) >= 3) & (np.arange(64) < 19)
+
+
+def _bandit(estimator):
+  """(initial state, jitted update step, its 8 prompts, the rng that drew them)."""
   model = Decoder(CFG, rngs=nnx.Rngs(0))
   opt = optax.adam(3e-3)
   # APPO's groups here are its N initial rollouts alone (a one-token reply has no branch point).
   est = registry.make_config("appo", n_init=8, budget=8) if estimator == "appo" else None
   config = ppo.PPOConfig(estimator=estimator, estimator_config=est, num_epochs=1,
                          num_minibatches=1, logprob_chunk=64)
-  state = ppo.init_state(model, opt)
-  step = jax.jit(ppo.make_update_step(config, opt), donate_argnums=0)
   rng = np.random.default_rng(0)
-  prompts = rng.integers(3, 64, (8, 4))
-  rewarded = np.zeros(64, bool)
-  rewarded[3:19] = True
+  return (ppo.init_state(model, opt), jax.jit(ppo.make_update_step(config, opt),
+                                              donate_argnums=0),
+          rng.integers(3, 64, (8, 4)), rng)
+
+
+def _bandit_trees(prompts, mass, rng, version=None):
+  """One tree per prompt: 8 one-token replies drawn from `mass` [P, V], each with its
+  behaviour log-prob, the sampling policy `version` and its reward."""
+  trees = []
+  for prompt, dist in zip(prompts, mass):
+    tree = RolloutTree.new(prompt.tolist())
+    for tok in rng.choice(64, size=8, p=dist / dist.sum()):
+      node = tree.add_node(0, NodeKind.POLICY, [int(tok)], logprobs=[float(np.log(dist[tok]))],
+                           version=version)
+      tree.add_leaf(node, {"outcome": float(BANDIT_REWARDED[tok])})
+    trees.append(tree)
+  return trees
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "tree_grpo", "appo"])
+def test_updates_move_the_policy_towards_rewarded_answers(estimator):
+  """The update's sign and scale, end to end: a one-token bandit rewards a quarter of
+  the vocabulary. Sampled from the policy each step, grouped per prompt, the updates
+  must move most of the probability mass onto the rewarded tokens."""
+  state, step, prompts, rng = _bandit(estimator)
+  rewarded = BANDIT_REWARDED
 
   def mass():
     return np.asarray(_next_token_probs(state, prompts), np.float64)
 
   start = float(np.mean(mass()[:, rewarded].sum(-1)))
   for i in range(12):
-    trees = []
-    for prompt, dist in zip(prompts, mass()):
-      tree = RolloutTree.new(prompt.tolist())
-      for tok in rng.choice(64, size=8, p=dist / dist.sum()):
-        node = tree.add_node(0, NodeKind.POLICY, [int(tok)], logprobs=[float(np.log(dist[tok]))])
-        tree.add_leaf(node, {"outcome": float(rewarded[tok])})
-      trees.append(tree)
+    trees = _bandit_trees(prompts, mass(), rng)
     state, m = step(state, pack(trees, BUCKETS), jax.random.key(i))
     assert np.isfinite(float(m["loss"]))
   end = float(np.mean(mass()[:, rewarded].sum(-1)))
@@ -211,31 +227,15 @@ def test_the_bandit_still_learns_from_a_staleness_one_pipeline(estimator):
 
   from tree_rl.rollout.pipeline import Produced, RolloutPipeline, staleness  # noqa: PLC0415
 
-  model = Decoder(CFG, rngs=nnx.Rngs(0))
-  opt = optax.adam(3e-3)
-  est = registry.make_config("appo", n_init=8, budget=8) if estimator == "appo" else None
-  config = ppo.PPOConfig(estimator=estimator, estimator_config=est, num_epochs=1,
-                         num_minibatches=1, logprob_chunk=64)
-  state = ppo.init_state(model, opt)
-  step = jax.jit(ppo.make_update_step(config, opt), donate_argnums=0)
-  prompts = np.random.default_rng(0).integers(3, 64, (8, 4))
-  rewarded = np.zeros(64, bool)
-  rewarded[3:19] = True
+  state, step, prompts, _ = _bandit(estimator)
+  rewarded = BANDIT_REWARDED
   lock = threading.Lock()
   published = {"version": 0, "mass": np.asarray(_next_token_probs(state, prompts), np.float64)}
 
   def produce(k, pos):  # the producer: the newest published policy, at its version
     with lock:
       version, mass = published["version"], published["mass"]
-    rng = np.random.default_rng(k)
-    trees = []
-    for prompt, dist in zip(prompts, mass):
-      tree = RolloutTree.new(prompt.tolist())
-      for tok in rng.choice(64, size=8, p=dist / dist.sum()):
-        node = tree.add_node(0, NodeKind.POLICY, [int(tok)],
-                             logprobs=[float(np.log(dist[tok]))], version=version)
-        tree.add_leaf(node, {"outcome": float(rewarded[tok])})
-      trees.append(tree)
+    trees = _bandit_trees(prompts, mass, np.random.default_rng(k), version)
     return Produced(k, trees, pos + len(trees))
 
   start = float(np.mean(published["mass"][:, rewarded].sum(-1)))

@@ -18,7 +18,8 @@ from flax import nnx
 from tree_rl.models import Decoder, ModelConfig
 from tree_rl.models.hf_io import save_hf
 from tree_rl.rollout.engine import GenerationRequest, SamplingParams
-from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, VLLMEngine, WorkerLost, find_vllm_python
+from tree_rl.rollout.vllm_engine import VLLMEngine, WorkerLost
+from tests.vllm_support import vllm_python_or_skip
 
 # vLLM's CPU attention needs head_dim >= 64; no tokenizer in the folder (eos_ids=()).
 CFG = ModelConfig.tiny(head_dim=64, hidden_size=128, num_attention_heads=2,
@@ -45,12 +46,7 @@ def _requests():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  python = find_vllm_python()
-  if python is None:
-    given = os.environ.get(VLLM_PYTHON_ENV)
-    why = f"{given!r} is not an executable" if given else "is unset"
-    pytest.skip(f"no interpreter with vLLM (${VLLM_PYTHON_ENV} {why};"
-                " see third_party/vllm_worker/README.md)")
+  python = vllm_python_or_skip()
   folder = save_hf(_model(0), tmp_path_factory.mktemp("vllm") / "tiny")
   eng = VLLMEngine(folder, python=python, max_model_len=512, eos_ids=(), seed=0,
                    block_size=32, logprobs_k=5, kv_cache_gb=0.25,

@@ -14,7 +14,6 @@ entropy-estimator ones, which need no vLLM.
 """
 
 import math
-import os
 
 import jax
 import numpy as np
@@ -25,8 +24,8 @@ from tree_rl.models import Decoder, ModelConfig, gguf_import
 from tree_rl.models.hf_io import hf_tensors, save_hf
 from tree_rl.rollout.engine import GenerationRequest, SamplingParams
 from tests.rollout import reference
-from tree_rl.rollout.vllm_engine import (VLLM_PYTHON_ENV, VLLMEngine, find_vllm_python,
-                                         topk_entropy, vllm_request_seed)
+from tests.vllm_support import vllm_python_or_skip
+from tree_rl.rollout.vllm_engine import VLLMEngine, topk_entropy, vllm_request_seed
 
 # SmolLM2's vocabulary, so that the folder carries its tokenizer (stop strings).
 CFG = ModelConfig.tiny(head_dim=64, hidden_size=128, num_attention_heads=2,
@@ -129,12 +128,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
-  python = find_vllm_python()
-  if python is None:
-    given = os.environ.get(VLLM_PYTHON_ENV)
-    why = f"{given!r} is not an executable" if given else "is unset"
-    pytest.skip(f"no interpreter with vLLM (${VLLM_PYTHON_ENV} {why};"
-                " see third_party/vllm_worker/README.md)")
+  python = vllm_python_or_skip()
   folder = save_hf(model, tmp_path_factory.mktemp("vllm") / "tiny",
                    tokenizer_from=str(gguf_import.default_model_dir()))
   eng = VLLMEngine(folder, python=python, max_model_len=MAX_LEN, eos_ids=(), seed=0,

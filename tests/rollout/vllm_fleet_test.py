@@ -13,7 +13,6 @@ third_party/vllm_worker/README.md); without one these tests skip.
 """
 
 import dataclasses
-import os
 
 import jax
 import numpy as np
@@ -25,9 +24,9 @@ from tree_rl.models import Decoder, ModelConfig, gguf_import
 from tree_rl.rollout import fleet as fleet_lib
 from tree_rl.rollout.agent_loop import AgentConfig
 from tree_rl.rollout.engine import SamplingParams
-from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, find_vllm_python
 from tree_rl.tree.types import NodeKind
 from tests.rollout import reference
+from tests.vllm_support import vllm_python_or_skip
 
 FAMILY = "search_qa"
 # As vllm_engine_test.py: head_dim 64 (vLLM's CPU attention), SmolLM2's vocabulary.
@@ -44,16 +43,6 @@ def _lively(seed):
   """Random weights scaled x3: at the init scale, greedy decoding repeats one token."""
   graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(seed)))
   return nnx.merge(graphdef, jax.tree.map(lambda x: 3.0 * x, state))
-
-
-def _python():
-  python = find_vllm_python()
-  if python is None:
-    given = os.environ.get(VLLM_PYTHON_ENV)
-    why = f"{given!r} is not an executable" if given else "is unset"
-    pytest.skip(f"no interpreter with vLLM (${VLLM_PYTHON_ENV} {why};"
-                " see third_party/vllm_worker/README.md)")
-  return python
 
 
 def _spec(python):
@@ -95,7 +84,7 @@ def _step(fleet, tasks, key):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_local_vllm_workers_load_a_published_version():
-  python = _python()
+  python = vllm_python_or_skip()
   old, new = _lively(0), _lively(1)
   tasks = _tasks(2)  # one per worker
   fleet = fleet_lib.make_fleet("local", _spec(python), old, 2)
@@ -132,7 +121,7 @@ def test_local_vllm_workers_load_a_published_version():
 def test_a_ray_vllm_worker_with_the_in_place_fallback():
   """One Ray actor holding a VLLMEngine that is told to use the fallback path (the in-place
   reload), loading a version synchronously (`update_weights`)."""
-  python = _python()
+  python = vllm_python_or_skip()
   ray = pytest.importorskip("ray")
   old, new = _lively(0), _lively(1)
   tasks = _tasks(2)
