@@ -50,7 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo = dict(estimator="grpo", estimator_kwargs={}, loss={}, num_epochs=1, num_minibatches=1,
                 max_skipped_steps=3)
   c.optim = dict(lr=1e-5, weight_decay=0.0, grad_clip=1.0, warmup_steps=0)
-  c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8)
+  c.sft = dict(steps=0, lr=1e-4, tasks_per_step=8, ckpt_every_steps=5)
   c.profile = dict(mode="", start_step=1, num_steps=1)
   # The reasoning judge (AWPO's R_reason): kind "" (none), "rubric" (offline) or "llm".
   c.judge = dict(kind="", base_url="", model="", api_key_env="OPENAI_API_KEY", timeout_s=30.0,
@@ -105,3 +105,4 @@ def runlocal(c: ml_collections.ConfigDict) -> None:
   c.ckpt_every_steps = 1
   c.sft.steps = min(c.sft.steps, 1)
   c.sft.tasks_per_step = 2
+  c.sft.ckpt_every_steps = 1

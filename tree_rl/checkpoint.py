@@ -84,7 +84,9 @@ class RunCheckpointer:
     items = {"state": ocp.args.StandardSave(_leaf_dict(state)), "meta": ocp.args.JsonSave(meta)}
     if extra is not None:
       items["extra"] = ocp.args.StandardSave(_leaf_dict(extra))
-    self.manager.save(step, args=ocp.args.Composite(**items))
+    if not self.manager.save(step, args=ocp.args.Composite(**items)):
+      raise ValueError(f"checkpoint {self.directory}/{step} exists already; Orbax does not "
+                       f"overwrite a step")
     self.manager.wait_until_finished()
 
   def _abstract(self, step: int, item: str, target: Any) -> dict[str, Any]:
@@ -128,6 +130,14 @@ class RunCheckpointer:
     treedef = jax.tree.structure(target)
     state = jax.tree.unflatten(treedef, [out["state"][k] for k in sorted(out["state"])])
     return state, dict(out["meta"])
+
+  def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+    """The JSON metadata saved at `step` (default latest), without the arrays."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    return dict(self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"])
 
   def restore_extra(self, target: Any, step: int | None = None) -> Any:
     """The `extra` arrays saved at `step` (default latest), in `target`'s structure.
@@ -179,6 +189,7 @@ def restore_policy(workdir: str | pathlib.Path, step: int | None = None
 # evaluates and saves, what it profiles, and where its processes and vLLM live. Anything
 # else would make the resumed run a different experiment than the one it continues.
 RESUMABLE_FIELDS = ("num_steps", "eval_every_steps", "ckpt_every_steps", "keep_checkpoints",
+                    "sft.ckpt_every_steps",
                     "profile", "distributed", "rollout.worker_timeout_s", "rollout.vllm_python")
 
 

@@ -313,6 +313,12 @@ class SFTSpec:
   steps: int = 0
   lr: float = 1e-4
   tasks_per_step: int = 8
+  ckpt_every_steps: int = 5  # SFT's progress checkpoint (tree_rl.phases)
+
+  def __post_init__(self):
+    _positive("sft", tasks_per_step=self.tasks_per_step, ckpt_every_steps=self.ckpt_every_steps)
+    if self.steps < 0:
+      raise ValueError(f"config.sft.steps={self.steps} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

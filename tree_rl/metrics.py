@@ -39,7 +39,11 @@ class MetricWriter:
       return 0
     path = self.workdir / "metrics.jsonl"
     self.jsonl.close()
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):  # a kill in the middle of a write: the row is lost
+      lines.pop()                          # with its step, which the resumed run redoes
+    rows = [json.loads(line) for line in lines if line]
     kept = [r for r in rows if keep(r)]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")

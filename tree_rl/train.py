@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import signal
+import shutil
 import time
 from typing import Any
 
@@ -29,7 +29,6 @@ from flax import nnx
 from tree_rl import distributed
 from tree_rl import metrics as metrics_lib
 from tree_rl.algos import ppo
-from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.algos.trace import effective_ratio
 from tree_rl.checkpoint import (RunCheckpointer, method_state, restore_method_state,
                                 save_run, write_run_config)
@@ -38,6 +37,7 @@ from tree_rl.device_memory import apply_learner_memory_fraction
 from tree_rl.envs import make_family
 from tree_rl.evaluate import evaluate
 from tree_rl.models import Decoder
+from tree_rl.phases import StopFlag, Stopped, sft_warm_start
 from tree_rl.placement import Placement
 from tree_rl.policy import build_run_policy, make_optimizer
 from tree_rl.rewards.reasoning import REASONING_CHANNEL, make_reasoning_scorer
@@ -50,8 +50,7 @@ from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.pipeline import Produced, RolloutPipeline, VersionedEngine, staleness
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
-from tree_rl.tree.batch import Buckets, pack
-from tree_rl.tree.rollout_tree import RolloutTree, TreeError
+from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
 
 EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
              "avg_formatting_raw"]
@@ -90,7 +89,7 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
   prompts' rollouts with the current policy theta_k (branch points scored and
   branches sampled after the weights of update k - 1 are synced) and update on them.
 
-  Returns (state, trees, the bad trees dropped (`_pack`), metrics averaged over the
+  Returns (state, trees, the bad trees dropped (`pack_sound`), metrics averaged over the
   mini-batches, each mini-batch's (trees, the policy version that trained them)).
   """
   parts: list[dict[str, Any]] = []
@@ -164,7 +163,7 @@ def _restored_row(row: dict[str, Any], meta: dict[str, Any]) -> bool:
   """Whether a metrics.jsonl row belongs to what a checkpoint with `meta` holds."""
   phase = row.get("phase", "rl")
   if phase == "sft":
-    return bool(meta["sft_done"])
+    return bool(meta["sft_done"]) or row["step"] < meta.get("sft_step", 0)
   if phase.startswith("eval:"):
     return phase[len("eval:"):] in meta["eval"]
   return row["step"] <= meta["step"]
@@ -175,40 +174,6 @@ def _owned(model: Decoder) -> Decoder:
   still samples from this copy while the next update runs."""
   graphdef, st = nnx.split(model)
   return nnx.merge(graphdef, jax.device_put(st, may_alias=False))  # same placement, no compile
-
-
-def _pack(trees, buckets: Buckets, absent_as_nan: tuple[str, ...] = ()):
-  """Packs the sound trees: (TreeBatch or None, [(task id, why)] of the bad ones dropped).
-
-  A tree without leaves (every episode lost to a full context) is left out silently (the
-  step logs rollout/empty_trees); one that fails `RolloutTree.check` (a NaN reward, ...) or
-  holds more tokens than the largest bucket is dropped with a warning. Leaf channels in
-  `absent_as_nan` are NaN where a leaf lacks them (AWPO's missing judge score,
-  docs/methods/awpo.md)."""
-  kept, bad = [], []
-  for t in trees:
-    if not t.leaves:
-      continue
-    try:
-      t.check()
-      if t.num_tokens() > buckets.tokens[-1]:
-        raise TreeError(f"{t.num_tokens()} tokens exceed the largest bucket "
-                        f"({buckets.tokens[-1]})")
-    except TreeError as e:
-      bad.append((str(t.meta.get("task_id")), str(e)))
-      logging.warning("dropping the tree of task %s: %s", *bad[-1])
-      continue
-    kept.append(t)
-  # Checked above, tree by tree: pack need not check them again.
-  return (pack(kept, buckets, check=False, absent_as_nan=absent_as_nan) if kept else None), bad
-
-
-def _check_bad_trees(step: int, bad: list, trees: int, max_fraction: float) -> None:
-  """Stops the run when more than `max_fraction` of a step's trees were dropped."""
-  if len(bad) > max_fraction * trees:
-    named = "; ".join(f"task {t}: {why}" for t, why in bad)
-    raise RuntimeError(f"step {step}: {len(bad)} of {trees} trees failed their checks, more than "
-                       f"config.rollout.max_bad_tree_fraction={max_fraction}: {named}")
 
 
 # Packed row lengths: multiples of 256 up to 8k tokens, then powers of two. A new
@@ -237,28 +202,6 @@ class _AttentionFitter:
     if self.fit.base.impl != "blockwise":
       return state
     return state.replace(graphdef=self.fit.graphdef(batch))
-
-
-class _StopFlag:
-  """SIGINT/SIGTERM set a flag; the loop saves a checkpoint and returns at the next step."""
-
-  def __init__(self):
-    self.set = False
-    self._old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-      try:
-        self._old[sig] = signal.signal(sig, self._handle)
-      except ValueError:  # not the main thread (e.g. a notebook worker): no handler
-        pass
-
-  def _handle(self, signum, frame):
-    del frame
-    logging.warning("signal %d: saving a checkpoint and stopping after this step", signum)
-    self.set = True
-
-  def restore(self):
-    for sig, old in self._old.items():
-      signal.signal(sig, old)
 
 
 def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
@@ -297,6 +240,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   # ============================== Policy, reference & optimizer ==============================
   model, tokenizer = build_run_policy(cfg)
   chat = ChatFormat.from_tokenizer(tokenizer)
+  vocab = model.config.vocab_size  # a sampled token past it marks its tree bad
   optimizer = make_optimizer(cfg.optim.lr, cfg)
   loss_config = cfg.algo.loss_config()
   placement.check_replication(model, cfg.mesh.max_replicated_fraction)  # before any compile
@@ -310,18 +254,31 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
 
   # ============================== Restore ==============================
   # Order: this workdir's checkpoint > config.resume > the configured model (see checkpoint.py).
+  # Before the first RL checkpoint, the base eval and SFT's progress are kept in
+  # checkpoints_sft (tree_rl.phases); the RL checkpoint at step 0 supersedes it.
   ckpt = RunCheckpointer(workdir_path / "checkpoints", keep_last=cfg.keep_checkpoints)
+  sft_dir = workdir_path / "checkpoints_sft"
+  sft_progress = None
+  if ckpt.latest_step() is None and cfg.sft.steps:
+    sft_progress = RunCheckpointer(sft_dir, keep_last=1)
+  elif sft_dir.exists() and primary:  # superseded by the RL checkpoint
+    shutil.rmtree(sft_dir)
   meta: dict[str, Any] = {"step": 0, "data_position": 0, "eval": {}, "sft_done": False}
-  source = ckpt if ckpt.latest_step() is not None else (
-      RunCheckpointer(cfg.resume) if cfg.resume else None)
+  own = ckpt if ckpt.latest_step() is not None else (
+      sft_progress if sft_progress is not None and sft_progress.latest_step() is not None
+      else None)
   write_run_config(workdir_path, config.to_dict() if hasattr(config, "to_dict") else
-                   dict(config), resuming=source is ckpt, allow_change=allow_config_change,
+                   dict(config), resuming=own is not None, allow_change=allow_config_change,
                    write=primary)
-  if source is not None:
+  source = own if own is not None else (RunCheckpointer(cfg.resume) if cfg.resume else None)
+  if source is sft_progress and source is not None:  # the SFT phase restores its own state
+    meta = sft_progress.restore_meta()
+    logging.info("resuming SFT after step %d", meta["sft_step"])
+  elif source is not None:
     state, meta = source.restore(state)
     logging.info("resumed from %s at step %d", source.directory, meta["step"])
   # metrics.jsonl keeps the rows of what the checkpoint holds: redone steps are logged once.
-  writer.keep_only(lambda row: source is ckpt and _restored_row(row, meta))
+  writer.keep_only(lambda row: own is not None and _restored_row(row, meta))
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
@@ -342,7 +299,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   # variables are updated in place after every step.
   policy_model = state.model()
   strategy = _strategy(cfg, ppo_config.estimator_config, policy_model, placement)
-  if source is not None:
+  if source is not None and source is not sft_progress:
     restore_method_state(strategy, source, meta)
   agent = AgentLoop(engine, chat, family, AgentConfig(
       samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
@@ -410,7 +367,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   greedy = SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
 
   def run_eval(stage: str, step: int) -> dict[str, float]:
-    with timer("eval"):
+    """Evaluates the current policy; a signal stops it at the engine's next call (Stopped)."""
+    with timer("eval"), stop.interrupting(engine.interrupt):
       report = evaluate(family, eval_tasks, engine_policy(engine, chat, greedy),
                         max_turns=r.max_turns or None, encode=chat.encode)
     m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
@@ -428,33 +386,31 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
                            default=str, ensure_ascii=False) + "\n")
     return m
 
-  stop, pipeline = _StopFlag(), None
+  stop, pipeline = StopFlag(), None
   try:
     if "base" not in meta["eval"]:
       run_eval("base", 0)
+      if not cfg.sft.steps:  # with SFT, its progress checkpoint at step 0 keeps the base eval
+        save_run(ckpt, 0, state, meta, method_state(strategy))
 
     # ============================== SFT warm start ==============================
     if cfg.sft.steps and not meta["sft_done"]:
-      sft_opt = make_optimizer(cfg.sft.lr, cfg)
-      sft_state = state.replace(opt_state=sft_opt.init(state.params))
-      sft_step = placement.sft_step(sft_opt, LOGPROB_CHUNK)
       teacher = AgentLoop(oracle_engine(train_tasks, chat), chat, family, AgentConfig(
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
-      n = cfg.sft.tasks_per_step
-      order = order_by_system_prompt(train_tasks, n)
-      for i in range(cfg.sft.steps):
-        tasks = [order[(i * n + j) % len(order)] for j in range(n)]
-        # One tree per step: the step's trajectories store their shared prompt once.
-        trees = [t for t in teacher.rollout(tasks) if t.leaves]
-        batch, bad = _pack([RolloutTree.merge_prompts(trees)], _buckets(placement.trees_bucket(1)))
-        _check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
-        sft_state, m = sft_step(fit(sft_state, batch), batch)
-        writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()}, phase="sft")
-      state = sft_state.replace(opt_state=optimizer.init(sft_state.params))
+      sft_opt = make_optimizer(cfg.sft.lr, cfg)
+      sft_state = sft_warm_start(
+          cfg.sft, placement.place_state(state.replace(opt_state=sft_opt.init(state.params))),
+          placement.sft_step(sft_opt, LOGPROB_CHUNK), fit, teacher, train_tasks,
+          _buckets(placement.trees_bucket(1)), sft_progress, meta, writer, stop)
+      state = placement.place_state(sft_state.replace(opt_state=optimizer.init(sft_state.params)))
       sync_weights(state)
       meta["sft_done"] = True
       run_eval("sft", 0)
+      save_run(ckpt, 0, state, meta, method_state(strategy))  # supersedes SFT's progress
+      sft_progress.close()
+      if primary:
+        shutil.rmtree(sft_dir)
 
     # ============================== Train loop ==============================
     start, done, skipped = int(meta["step"]), 0, []
@@ -477,10 +433,20 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       return Produced(step, got, pos + got.prompts, method_state(strategy),
                       time.perf_counter() - t)
 
+    def periodic_eval(step: int) -> None:
+      """config.eval_every_steps's eval, after the step's checkpoint (whose meta lacks it: a
+      resumed run redoes it first if it was lost)."""
+      if (cfg.eval_every_steps and step % cfg.eval_every_steps == 0
+          and 0 < step < cfg.num_steps and f"step{step}" not in meta["eval"]):
+        run_eval(f"step{step}", step)
+
+    periodic_eval(start)
     # S = 0: each step's trees are grown when asked for; S > 0: a producer thread runs ahead.
     pipeline = RolloutPipeline(produce, start + 1, cfg.num_steps, int(meta["data_position"]),
                                r.max_staleness)
     for step in range(start + 1, cfg.num_steps + 1):
+      if stop.set:  # a signal during an earlier phase: step `start` is saved
+        break
       prof = cfg.profile
       if prof.mode and step == prof.start_step:
         jax.profiler.start_trace(str(workdir_path / "profile"))
@@ -495,15 +461,15 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           state, trees, bad, m, trained = _appo_minibatch_step(
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
               lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
-              lambda trees: _pack(trees, minibatch_buckets, unscored), sync_weights, update_key,
-              timer, lambda: engine.published)
+              lambda trees: pack_sound(trees, minibatch_buckets, unscored, vocab),
+              sync_weights, update_key, timer, lambda: engine.published)
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
                                                     cfg.prompts_per_step)
           method = method_state(strategy)
         else:
           got, method = produced.rollout, produced.method_state
           trained = [(got.train, engine.published)]
-          batch, bad = _pack(got.train, buckets, unscored)
+          batch, bad = pack_sound(got.train, buckets, unscored, vocab)
           m = None
           if batch is None and mixed_channels is not None:
             logging.warning("step %d: no mixed group after dynamic sampling; no update", step)
@@ -516,7 +482,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
         row.update(staleness(trained))
         row["rollout/bad_trees"] = float(len(bad))
-        _check_bad_trees(step, bad, len(got.trees), r.max_bad_tree_fraction)
+        check_bad_trees(step, bad, len(got.trees), r.max_bad_tree_fraction)
         if m is not None:
           row.update({k: float(np.asarray(v)) for k, v in m.items()})
           skipped = skipped + [step] if row["skipped"] else []  # non-finite: state kept
@@ -545,16 +511,22 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       writer.write(step, row)
       done += 1
       writer.progress(step, done, f"reward {row['reward/outcome_mean']:+.3f}")
-      if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < cfg.num_steps:
-        run_eval(f"step{step}", step)
-      if step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set:
+      saved = step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set
+      if saved:
         save_run(ckpt, step, state, meta, method)
       if stop.set:
         break
+      try:
+        periodic_eval(step)
+      except Stopped:
+        if not saved:
+          save_run(ckpt, step, state, meta, method)
+        raise
 
     if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
-      run_eval("rl", cfg.num_steps)
-      save_run(ckpt, cfg.num_steps, state, meta, method_state(strategy))
+      run_eval("rl", cfg.num_steps)  # not in a checkpoint: a relaunch of a done run redoes it
+  except Stopped as e:
+    logging.warning("%s", e)
   finally:
     if pipeline is not None:  # before the engines close under a producer mid-step
       pipeline.close(interrupt=[engine.interrupt])

@@ -21,6 +21,7 @@ from tree_rl.algos import ppo
 from tree_rl.envs.base import Outcome
 from tree_rl.models import Decoder, ModelConfig
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
+from tree_rl.tree.batch import check_bad_trees, pack_sound
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -33,16 +34,19 @@ def _tree(task_id, reward=1.0, tokens=4):
   return t
 
 
-def test_pack_drops_a_nan_reward_and_an_oversized_tree_and_names_them():
-  trees = [_tree("ok"), _tree("nan", reward=float("nan")), _tree("big", tokens=300),
+def test_pack_drops_a_nan_reward_an_oversized_tree_and_a_foreign_token_and_names_them():
+  oov = RolloutTree.new([1, 2, 3], meta={"task_id": "oov"})
+  oov.add_leaf(oov.add_node(0, NodeKind.POLICY, [5, 4000], [-1.0, -1.0]), {"outcome": 1.0})
+  trees = [_tree("ok"), _tree("nan", reward=float("nan")), _tree("big", tokens=300), oov,
            RolloutTree.new([1, 2], meta={"task_id": "empty"})]
-  batch, bad = train._pack(trees, Buckets(tokens=(256,), trees=(4,)))
+  batch, bad = pack_sound(trees, Buckets(tokens=(256,), trees=(4,)), vocab_size=1000)
   assert batch is not None and batch.tokens.shape[0] == 4  # the sound tree, padded
-  assert [t for t, _ in bad] == ["nan", "big"]
+  assert [t for t, _ in bad] == ["nan", "big", "oov"]
   assert "reward 'outcome' is nan" in bad[0][1] and "exceed the largest bucket" in bad[1][1]
-  train._check_bad_trees(1, bad, len(trees), 0.5)  # 2 of 4: allowed
-  with pytest.raises(RuntimeError, match=r"step 1: 2 of 4 trees.*task nan: .*task big: "):
-    train._check_bad_trees(1, bad, len(trees), 0.25)
+  assert "4000" in bad[2][1], bad[2]
+  check_bad_trees(1, bad, len(trees), 0.6)  # 3 of 5: allowed
+  with pytest.raises(RuntimeError, match=r"step 1: 3 of 5 trees.*task nan: .*task big: .*oov"):
+    check_bad_trees(1, bad, len(trees), 0.25)
 
 
 class _NaNWorld:

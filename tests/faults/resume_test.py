@@ -9,9 +9,12 @@ import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 from tree_rl import train
+from tree_rl.checkpoint import RunCheckpointer
+from tree_rl.metrics import MetricWriter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -56,3 +59,27 @@ def test_a_crash_before_the_checkpoint_leaves_one_row_per_step(tmp_path, monkeyp
   assert out["steps"] == 4
   assert json.loads((tmp_path / "config.json").read_text())["optim"]["lr"] == 1e-3
   assert [r["step"] for r in _rows(tmp_path) if r["phase"] == "rl"] == [1, 2, 3, 4]
+
+
+def test_a_torn_last_metrics_row_is_dropped_on_resume(tmp_path):
+  """A kill in the middle of a write leaves half a line; the resumed run drops it (its step
+  is redone) and keeps every complete row."""
+  rows = [{"step": 1, "phase": "rl", "loss": 0.5}, {"step": 2, "phase": "rl", "loss": 0.25}]
+  text = "".join(json.dumps(r) + "\n" for r in rows)
+  (tmp_path / "metrics.jsonl").write_text(text + '{"step": 3, "phase": "rl", "lo')
+  writer = MetricWriter(tmp_path, total_steps=3)
+  assert writer.keep_only(lambda row: True) == 0
+  writer.write(3, {"loss": 0.125})
+  writer.close()
+  assert _rows(tmp_path) == rows + [{"step": 3, "phase": "rl", "loss": 0.125}]
+
+
+def test_a_saved_checkpoint_step_is_never_silently_kept_over(tmp_path):
+  """Orbax does not overwrite a step; saving one again is an error, not a silent no-op."""
+  ckpt = RunCheckpointer(tmp_path)
+  ckpt.save(0, {"w": np.ones(2, np.float32)}, {"step": 0})
+  with pytest.raises(ValueError, match="exists already"):
+    ckpt.save(0, {"w": np.zeros(2, np.float32)}, {"step": 0})
+  state, meta = ckpt.restore({"w": np.zeros(2, np.float32)})
+  ckpt.close()
+  np.testing.assert_array_equal(state["w"], np.ones(2, np.float32))

@@ -2,7 +2,8 @@
 
 `pack` lays every tree's nodes out in depth-first preorder, each node's tokens
 contiguous, and pads to bucketed static sizes so that shapes do not change
-from step to step. `unpack` goes back to host trees. Everything else (the
+from step to step (`pack_sound`, the trainer's entry, drops the trees that fail
+their checks first). `unpack` goes back to host trees. Everything else (the
 ancestor matrix, leaves under each node, the tree attention mask, per-token
 loss weights, the flattened root-to-leaf sequences) is derived inside jit by
 `tree_rl.tree.derived`.
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import flax.struct
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from tree_rl.tree.rollout_tree import Leaf, Node, RolloutTree, TreeError
 from tree_rl.tree.types import DEFAULT_REWARD_CHANNELS, Array, Bool, Float, Int, LeafTag, NodeKind
@@ -214,6 +216,45 @@ def pack(
       max_path_len=P,
       max_loss_tokens=_policy_width(int(loss_mask.sum(axis=1).max()), L, bool(buckets.tokens)),
   )
+
+
+def pack_sound(trees: Sequence[RolloutTree], buckets: Buckets,
+               absent_as_nan: tuple[str, ...] = (), vocab_size: int | None = None
+               ) -> tuple[TreeBatch | None, list[tuple[str, str]]]:
+  """Packs the sound trees: (TreeBatch or None, [(task id, why)] of the bad ones dropped).
+
+  The trainer's entry to `pack`. A tree without leaves (every episode lost to a full
+  context) is left out silently (the trainer counts those itself); one that fails
+  `RolloutTree.check` (a NaN reward, ...) or holds more tokens than the largest bucket is
+  dropped with a warning naming its task; with `vocab_size`, so is one holding a token
+  outside the vocabulary. Leaf channels in `absent_as_nan` are NaN where a leaf lacks them
+  (AWPO's missing judge score, docs/methods/awpo.md)."""
+  kept, bad = [], []
+  for t in trees:
+    if not t.leaves:
+      continue
+    try:
+      t.check(vocab_size=vocab_size)
+      if buckets.tokens and t.num_tokens() > buckets.tokens[-1]:
+        raise TreeError(f"{t.num_tokens()} tokens exceed the largest bucket "
+                        f"({buckets.tokens[-1]})")
+    except TreeError as e:
+      bad.append((str(t.meta.get("task_id")), str(e)))
+      logging.warning("dropping the tree of task %s: %s", *bad[-1])
+      continue
+    kept.append(t)
+  # Checked above, tree by tree: pack need not check them again.
+  return (pack(kept, buckets, check=False, absent_as_nan=absent_as_nan) if kept else None), bad
+
+
+def check_bad_trees(step: int, bad: Sequence[tuple[str, str]], trees: int,
+                    max_fraction: float) -> None:
+  """Raises when more than `max_fraction` of a step's `trees` were dropped by `pack_sound`,
+  naming each dropped tree's task and reason (config.rollout.max_bad_tree_fraction)."""
+  if len(bad) > max_fraction * trees:
+    named = "; ".join(f"task {t}: {why}" for t, why in bad)
+    raise RuntimeError(f"step {step}: {len(bad)} of {trees} trees failed their checks, more than "
+                       f"config.rollout.max_bad_tree_fraction={max_fraction}: {named}")
 
 
 def _policy_width(need: int, length: int, bucketed: bool) -> int:
