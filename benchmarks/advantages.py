@@ -10,6 +10,10 @@ decay-matrix form at L=4096. Prints one line per figure:
 
     RATIO <name> <reference_time / kernel_time>
 
+and two METRIC lines: GRPO on 512 flat groups of 8 (depth-1 trees) through the general
+tree kernels, `adv.tree_rl.grpo_jit.G512_n8.median_us` (the name the peers' benchmarks
+use), and the host `pack` time of the PORTool-shaped trees.
+
 Both sides are timed in this process, so the ratio is meaningful on a noisy
 shared machine; absolute times are printed for context only. `--quick` (32
 trees, 256-token APPO rollouts) takes about half a minute on 2 cores;
@@ -186,6 +190,42 @@ def appo_reference(logp):
   return run
 
 
+def flat_group_batch(rng, groups, n):
+  """`groups` prompts with `n` independent rollouts each: depth-1 trees, GRPO's own shape."""
+  trees = []
+  for _ in range(groups):
+    tree = RolloutTree.new(rng.integers(1, 1000, 16).tolist())
+    for _ in range(n):
+      node = tree.add_node(0, NodeKind.POLICY, rng.integers(1, 1000, 8).tolist(),
+                           logprobs=[-1.0] * 8)
+      tree.add_leaf(node, {"outcome": float(rng.random() < 0.5)})
+    trees.append(tree)
+  return pack(trees, Buckets(trees=None))
+
+
+def bench_flat_grpo(rng, groups, n, repeats):
+  """GRPO on flat groups through the general tree kernels, timed as the peers time theirs
+  (median of jitted calls after compilation), printed under the peers' metric name."""
+  batch = flat_group_batch(rng, groups, n)
+  config = registry.get("grpo").config_cls()
+  fn = jax.jit(lambda b: registry.compute_advantages("grpo", b, config).node_leaf)
+  jax.block_until_ready(fn(batch))
+  times = []
+  for _ in range(max(repeats, 20)):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(batch))
+    times.append(time.perf_counter() - t0)
+  print(f"METRIC adv.tree_rl.grpo_jit.G{groups}_n{n}.median_us {np.median(times) * 1e6:.1f}",
+        flush=True)
+
+
+def bench_pack(trees, repeats):
+  """Host packing of the PORTool-shaped trees (checks included, as the trainer runs it)."""
+  pack(trees[:2], Buckets(trees=None))
+  best = _time(lambda: pack(trees, Buckets(trees=None)).tokens, repeats)
+  print(f"METRIC pack.portool_trees.T{len(trees)}.ms {best * 1e3:.1f}", flush=True)
+
+
 def bench_omega(length, rows, repeats):
   gamma = 2 ** (-1 / 32)
   x = jnp.asarray(np.random.default_rng(0).normal(0, 0.05, (rows, length)), jnp.float32)
@@ -239,7 +279,9 @@ def main():
   print(f"# jax {jax.__version__} on {jax.devices()[0].platform}; {args.trees} trees per shape")
   rng = np.random.default_rng(0)
 
+  bench_flat_grpo(rng, 512 if args.trees >= 512 else 8, 8, args.repeats)
   pt = [portool_tree(rng) for _ in range(args.trees)]
+  bench_pack(pt, args.repeats)
   pt_batch = pack(pt, Buckets(trees=None))
   print(f"# portool-shaped batch {pt_batch.shape}")
   refs = dict(ref_baselines.REFERENCES, portool=ref_portool.reference, awpo=ref_awpo.reference)

@@ -342,6 +342,10 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   mixed_channels = (dynamic_sampling.outcome_channels(ppo_config.estimator_config)
                     if r.dynamic_sampling else None)
 
+  def timed(phase: str, fn, *args):
+    with timer(phase):
+      return fn(*args)
+
   def sync_weights(state) -> None:
     """Publishes `state` as the next policy version: loaded now (S = 0), or by the engine's
     and the fleet's next call in the producer thread (S > 0)."""
@@ -461,7 +465,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           state, trees, bad, m, trained = _appo_minibatch_step(
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
               lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
-              lambda trees: pack_sound(trees, minibatch_buckets, unscored, vocab),
+              lambda trees: timed("pack", pack_sound, trees, minibatch_buckets, unscored, vocab),
               sync_weights, update_key, timer, lambda: engine.published)
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
                                                     cfg.prompts_per_step)
@@ -469,7 +473,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         else:
           got, method = produced.rollout, produced.method_state
           trained = [(got.train, engine.published)]
-          batch, bad = pack_sound(got.train, buckets, unscored, vocab)
+          with timer("pack"):
+            batch, bad = pack_sound(got.train, buckets, unscored, vocab)
           m = None
           if batch is None and mixed_channels is not None:
             logging.warning("step %d: no mixed group after dynamic sampling; no update", step)

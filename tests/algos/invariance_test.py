@@ -136,7 +136,9 @@ def test_permuting_siblings_permutes_outputs(name):
       leaf_new = {k: [l.node for l in p.leaves].index(new[l.node]) for k, l in enumerate(t.leaves)}
       for n in range(len(t.nodes)):
         for k in range(len(t.leaves)):
+          # Equal up to float32 summation order, which a group z-score with a small
+          # spread amplifies (hypothesis found a PORTool tree off by 7e-5 relative).
           np.testing.assert_allclose(b_nl[i, new[n], leaf_new[k]], a_nl[i, n, k], atol=1e-5,
-                                     err_msg=f"{name}: tree {i} node {n} leaf {k}")
+                                     rtol=2e-4, err_msg=f"{name}: tree {i} node {n} leaf {k}")
 
   check()

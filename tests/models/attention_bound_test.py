@@ -128,3 +128,25 @@ def test_a_bound_of_every_block_is_never_checked():
 
   assert "debug_callback[" not in traced(6)
   assert traced(5).count("debug_callback[") == 1  # once per call, not once per layer
+
+
+def test_the_bound_from_subtree_ranges_equals_the_bound_from_parents():
+  """`pack`'s subtree ranges give every row's ancestors at once; the bound equals the one
+  found by walking each row's parents, on random trees with padding trees and tokens."""
+  rng = np.random.default_rng(3)
+  trees = []
+  for _ in range(6):
+    tree = RolloutTree.new(rng.integers(3, 60, int(rng.integers(2, 12))).tolist())
+    for _ in range(int(rng.integers(1, 9))):
+      at = int(rng.integers(0, len(tree.nodes)))
+      n = int(rng.integers(1, 10))
+      tree.add_node(at, NodeKind.POLICY, rng.integers(3, 60, n).tolist(), logprobs=[-1.0] * n)
+    kids = tree.children()
+    for i in range(len(tree.nodes)):
+      if not kids[i]:
+        tree.add_leaf(i, {"outcome": 1.0})
+    trees.append(tree)
+  batch = pack(trees, Buckets(tokens=(96,), trees=(8,)))
+  for block in (4, 8, 16):
+    walked = max_visible_blocks(*_host(batch), block)
+    assert max_visible_blocks(*_host(batch), block, np.asarray(batch.subtree_end)) == walked

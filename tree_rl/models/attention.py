@@ -143,29 +143,38 @@ def kv_block_pairs(tree: TreeMask, block: int, max_kv_blocks: int
   return q_blk.astype(jnp.int32), k_blk.astype(jnp.int32), overflow
 
 
-def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int) -> int:
+def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int,
+                       subtree_end: np.ndarray | None = None) -> int:
   """Host-side exact static bound for `kv_block_pairs` (numpy, no jit): the
   smallest `max_kv_blocks` whose nb * max_kv_blocks slots hold every row's visible
   (query block, key block) pairs.
 
-  node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch.
+  node_of_token `[B, L]`, parent `[B, N]` and subtree_end `[B, N]` as in TreeBatch;
+  with subtree_end the ancestor test is a comparison for every row at once, without
+  it each row's ancestors are followed up its parents.
   """
   node_of_token, parent = np.asarray(node_of_token), np.asarray(parent)
   b, l = node_of_token.shape
   nb, n = l // block, parent.shape[1]
-  best = 1
-  for t in range(b):
-    anc = np.eye(n, dtype=bool)
-    for i in range(n):
-      if parent[t, i] >= 0:
-        anc[i] |= anc[parent[t, i]]
-    present = np.zeros((nb, n), bool)
-    blocks, nodes = np.nonzero(node_of_token[t].reshape(nb, block) >= 0)
-    present[blocks, node_of_token[t].reshape(nb, block)[blocks, nodes]] = True
-    vis = (present.astype(np.int32) @ anc.astype(np.int32) @ present.T.astype(np.int32)) > 0
-    vis &= np.tril(np.ones((nb, nb), bool))
-    best = max(best, -(-int(vis.sum()) // nb))
-  return best
+  idx = np.arange(n)
+  if subtree_end is not None:  # anc[t, i, j]: j <= i < subtree_end[t, j]
+    end = np.asarray(subtree_end)
+    anc = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])
+  else:
+    anc = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
+    for t in range(b):
+      for i in range(n):
+        if parent[t, i] >= 0:
+          anc[t, i] |= anc[t, parent[t, i]]
+  # present[t, q, i]: block q holds a token of node i (padding tokens to a dropped column).
+  present = np.zeros((b, nb, n + 1), np.float32)
+  cols = np.where(node_of_token >= 0, node_of_token, n).reshape(b, nb, block)
+  present[np.arange(b)[:, None, None], np.arange(nb)[None, :, None], cols] = 1.0
+  present = present[:, :, :n]
+  vis = np.einsum("bqi,bij,bkj->bqk", present, anc.astype(np.float32), present,
+                  optimize=True) > 0
+  vis &= np.tril(np.ones((nb, nb), bool))
+  return max(1, int(-(-vis.sum((1, 2)).max() // nb)))
 
 
 # Static bounds blockwise attention is fitted to: the smallest one that holds a batch's
@@ -174,8 +183,8 @@ def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int
 KV_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
-def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np.ndarray
-                  ) -> AttentionConfig:
+def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np.ndarray,
+                  subtree_end: np.ndarray | None = None) -> AttentionConfig:
   """`config` with the tightest `KV_LADDER` bound that holds a packed batch (host, exact).
 
   node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch. The bound is at least
@@ -188,7 +197,7 @@ def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np
   if l % config.block:
     raise ValueError(f"packed length L={l} must be a multiple of the attention block "
                      f"{config.block}")
-  need = max_visible_blocks(node_of_token, parent, config.block)
+  need = max_visible_blocks(node_of_token, parent, config.block, subtree_end)
   bound = next((m for m in KV_LADDER if m >= need), need)
   return dataclasses.replace(config, max_kv_blocks=min(bound, l // config.block))
 
@@ -213,7 +222,8 @@ class AttentionFitter:
 
   def config(self, batch) -> AttentionConfig:
     """The fitted attention config of a host-side TreeBatch."""
-    return fit_attention(self.base, np.asarray(batch.node_of_token), np.asarray(batch.parent))
+    return fit_attention(self.base, np.asarray(batch.node_of_token), np.asarray(batch.parent),
+                         np.asarray(batch.subtree_end))
 
   def graphdef(self, batch):
     """The model's graphdef with `config(batch)` (cached per bound)."""

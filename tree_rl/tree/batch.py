@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import flax.struct
@@ -42,6 +43,13 @@ class TreeBatch:
   leaf_node: Int[Array, "B K"]  # -1 on padding
   leaf_reward: Float[Array, "B K C"]
   leaf_tag: Int[Array, "B K"]
+  # Per-node structure `pack` derives on the host, so that kernels need no pass over
+  # tokens or parents: n's depth-first subtree is the node range [n, subtree_end[n]) (the
+  # ancestor test is m <= n < subtree_end[m]; padding: subtree_end[n] = n, an empty range);
+  # node_tokens and node_policy_tokens count n's tokens and its trained ones.
+  subtree_end: Int[Array, "B N"]
+  node_tokens: Int[Array, "B N"]
+  node_policy_tokens: Int[Array, "B N"]
   # Static metadata (not traced): names of the C reward channels, and the
   # bucketed length of the longest root-to-leaf sequence, used as the static
   # width of flatten_leaves.
@@ -138,20 +146,19 @@ def pack(
   buckets = buckets or Buckets()
   if not trees:
     raise TreeError("pack: no trees")
-  canon = []
-  for b, tree in enumerate(trees):
-    if check:
+  if check:
+    for b, tree in enumerate(trees):
       try:
         tree.check(vocab_size=vocab_size, reward_channels=required_channels)
       except TreeError as e:
         raise TreeError(f"tree {b}: {e}") from None
-    canon.append(tree.canonical())
+  lays = [_Layout(tree) for tree in trees]
 
-  n_trees = Buckets.pick("trees", buckets.trees, len(canon)) if buckets.trees else len(canon)
-  L = Buckets.pick("tokens", buckets.tokens, max(t.num_tokens() for t in canon))
-  N = Buckets.pick("nodes", buckets.nodes, max(len(t.nodes) for t in canon))
-  K = Buckets.pick("leaves", buckets.leaves, max(len(t.leaves) for t in canon))
-  P = Buckets.pick("path_tokens", buckets.path_tokens, max(t.max_path_tokens() for t in canon))
+  n_trees = Buckets.pick("trees", buckets.trees, len(lays)) if buckets.trees else len(lays)
+  L = Buckets.pick("tokens", buckets.tokens, max(t.num_tokens for t in lays))
+  N = Buckets.pick("nodes", buckets.nodes, max(t.num_nodes for t in lays))
+  K = Buckets.pick("leaves", buckets.leaves, max(len(t.leaves) for t in lays))
+  P = Buckets.pick("path_tokens", buckets.path_tokens, max(t.max_path_tokens for t in lays))
   C = len(reward_channels)
   chan = {name: c for c, name in enumerate(reward_channels)}
 
@@ -167,33 +174,32 @@ def pack(
   leaf_node = np.full((n_trees, K), -1, np.int32)
   leaf_reward = np.zeros((n_trees, K, C), np.float32)
   leaf_tag = np.zeros((n_trees, K), np.int32)
+  subtree_end = np.broadcast_to(np.arange(N, dtype=np.int32), (n_trees, N)).copy()
+  node_tokens = np.zeros((n_trees, N), np.int32)
+  node_policy_tokens = np.zeros((n_trees, N), np.int32)
 
-  for b, tree in enumerate(canon):
-    offset = 0
-    start_pos = np.zeros(len(tree.nodes), np.int64)  # position of a node's first token
-    for i, node in enumerate(tree.nodes):
-      n_tok = len(node.tokens)
-      if node.parent >= 0:
-        start_pos[i] = start_pos[node.parent] + len(tree.nodes[node.parent].tokens)
-      sl = slice(offset, offset + n_tok)
-      tokens[b, sl] = node.tokens
-      positions[b, sl] = start_pos[i] + np.arange(n_tok)
-      node_of_token[b, sl] = i
-      if node.kind == NodeKind.POLICY:
-        loss_mask[b, sl] = True
-        behavior_logp[b, sl] = node.logprobs
-      parent[b, i] = node.parent
-      node_kind[b, i] = int(node.kind)
-      step[b, i] = node.step
-      for name, v in node.rewards.items():
+  for b, lay in enumerate(lays):
+    n, t = lay.num_nodes, lay.num_tokens
+    tokens[b, :t] = lay.tokens
+    positions[b, :t] = lay.positions
+    node_of_token[b, :t] = lay.node_of_token
+    loss_mask[b, :t] = lay.loss_mask
+    behavior_logp[b, :t] = lay.behavior_logp
+    parent[b, :n] = lay.parent
+    node_kind[b, :n] = lay.kind
+    step[b, :n] = lay.step
+    subtree_end[b, :n] = lay.subtree_end
+    node_tokens[b, :n] = lay.lens
+    node_policy_tokens[b, :n] = np.where(np.asarray(lay.kind) == int(NodeKind.POLICY), lay.lens, 0)
+    for i, rewards in lay.node_rewards:
+      for name, v in rewards.items():
         if name in chan:
           node_reward[b, i, chan[name]] = v
-      offset += n_tok
-    for k, leaf in enumerate(tree.leaves):
+    for k, (node, leaf) in enumerate(lay.leaves):
       for name in absent_as_nan:
         if name in chan and name not in leaf.rewards:
           leaf_reward[b, k, chan[name]] = np.nan
-      leaf_node[b, k] = leaf.node
+      leaf_node[b, k] = node
       leaf_tag[b, k] = int(leaf.tag)
       for name, v in leaf.rewards.items():
         if name in chan:
@@ -212,6 +218,9 @@ def pack(
       leaf_node=jnp.asarray(leaf_node),
       leaf_reward=jnp.asarray(leaf_reward),
       leaf_tag=jnp.asarray(leaf_tag),
+      subtree_end=jnp.asarray(subtree_end),
+      node_tokens=jnp.asarray(node_tokens),
+      node_policy_tokens=jnp.asarray(node_policy_tokens),
       reward_channels=tuple(reward_channels),
       max_path_len=P,
       max_loss_tokens=_policy_width(int(loss_mask.sum(axis=1).max()), L, bool(buckets.tokens)),
@@ -255,6 +264,51 @@ def check_bad_trees(step: int, bad: Sequence[tuple[str, str]], trees: int,
     named = "; ".join(f"task {t}: {why}" for t, why in bad)
     raise RuntimeError(f"step {step}: {len(bad)} of {trees} trees failed their checks, more than "
                        f"config.rollout.max_bad_tree_fraction={max_fraction}: {named}")
+
+
+class _Layout:
+  """One tree's host arrays in depth-first preorder (the order `RolloutTree.canonical`
+  gives), built with a few array operations per tree: no copy of the tree, no per-token
+  Python loop."""
+
+  def __init__(self, tree: RolloutTree):
+    order = tree.preorder()
+    new = [0] * len(tree.nodes)
+    for c, i in enumerate(order):
+      new[i] = c
+    nodes = [tree.nodes[i] for i in order]
+    n = self.num_nodes = len(nodes)
+    self.parent = [-1 if nd.parent < 0 else new[nd.parent] for nd in nodes]
+    lens = self.lens = [len(nd.tokens) for nd in nodes]
+    # A node's first position follows its parent's last; its path's token count likewise.
+    start, path = [0] * n, [0] * n
+    for c in range(n):
+      p = self.parent[c]
+      if p >= 0:
+        start[c] = start[p] + lens[p]
+      path[c] = start[c] + lens[c]
+    size = [1] * n  # subtree sizes: children follow their parents in preorder
+    for c in range(n - 1, 0, -1):
+      size[self.parent[c]] += size[c]
+    self.subtree_end = [c + size[c] for c in range(n)]
+    self.kind = [int(nd.kind) for nd in nodes]
+    self.step = [nd.step for nd in nodes]
+    self.node_rewards = [(c, nd.rewards) for c, nd in enumerate(nodes) if nd.rewards]
+    self.leaves = sorted(((new[lf.node], lf) for lf in tree.leaves), key=lambda x: x[0])
+    self.max_path_tokens = max((path[c] for c, _ in self.leaves), default=0)
+    t = self.num_tokens = sum(lens)
+    self.tokens = np.fromiter(itertools.chain.from_iterable(nd.tokens for nd in nodes),
+                              np.int32, t)
+    lens_a = np.asarray(lens, np.int64)
+    self.node_of_token = np.repeat(np.arange(n, dtype=np.int32), lens_a)
+    first = np.cumsum(lens_a) - lens_a  # each node's first packed index
+    self.positions = (np.asarray(start, np.int64)[self.node_of_token]
+                      + np.arange(t) - first[self.node_of_token])
+    self.loss_mask = (np.asarray(self.kind, np.int32) == int(NodeKind.POLICY))[self.node_of_token]
+    self.behavior_logp = np.zeros(t, np.float32)
+    self.behavior_logp[self.loss_mask] = np.fromiter(itertools.chain.from_iterable(
+        nd.logprobs for nd in nodes if nd.kind == NodeKind.POLICY), np.float32,
+        int(self.loss_mask.sum()))
 
 
 def _policy_width(need: int, length: int, bucketed: bool) -> int:

@@ -3,10 +3,10 @@
 `structure(batch)` computes, per tree, the ancestor-or-self matrix, depths,
 which leaves pass through each node, child counts and policy-token counts;
 the rest (tree attention mask, per-token loss weights, flattened root-to-leaf
-sequences) builds on it. No Python loop runs over nodes, leaves or tokens:
-the ancestor matrix is one `fori_loop` over node indices (parents precede
-children, so a node's row is its parent's row plus itself), and everything
-else is a gather, a masked reduction or a scatter with static shapes.
+sequences) builds on it. Nothing loops over nodes, leaves or tokens: `pack`
+emits each node's depth-first subtree range and token counts, so ancestry is a
+comparison (m is an ancestor-or-self of n iff m <= n < subtree_end[m]) and
+everything else is a gather, a masked reduction or a scatter with static shapes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import enum
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from tree_rl.tree.batch import PAD_KIND, TreeBatch
 from tree_rl.tree.types import Array, Bool, Float, Int, NodeKind
@@ -56,44 +55,25 @@ class TreeStructure:
   is_policy: Bool[Array, "B N"]
 
 
-def _ancestor_matrix(parent: Int[Array, "N"], valid: Bool[Array, "N"]) -> Bool[Array, "N N"]:
-  n = parent.shape[0]
-  eye = jnp.eye(n, dtype=bool)
-
-  def body(i, anc):
-    p = parent[i]
-    row = jnp.where(p >= 0, anc[jnp.maximum(p, 0)], False) | eye[i]
-    return anc.at[i].set(row & valid[i])
-
-  return lax.fori_loop(0, n, body, jnp.zeros((n, n), bool))
-
-
 def structure(batch: TreeBatch) -> TreeStructure:
+  """The per-tree structure, from the per-node arrays `pack` emits: subtree ranges give the
+  ancestor test (m <= n < subtree_end[m]) and the leaves under each node as comparisons,
+  so nothing here loops over nodes or passes over the L tokens."""
   n_nodes = batch.parent.shape[1]
   node_valid = batch.node_kind != PAD_KIND
   leaf_valid = batch.leaf_node >= 0
-  anc = jax.vmap(_ancestor_matrix)(batch.parent, node_valid)
+  idx = jnp.arange(n_nodes, dtype=jnp.int32)
+  end = batch.subtree_end
+  # anc[b, n, m]: m <= n < end[b, m] (a padding node's range is empty).
+  anc = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])
   depth = anc.sum(-1).astype(jnp.int32) - 1
-  # leaves_under[b, n, k] = anc[b, leaf_node[b, k], n]
-  safe_leaf = jnp.maximum(batch.leaf_node, 0)
-  leaf_rows = jnp.take_along_axis(anc, safe_leaf[:, :, None], axis=1)  # [B, K, N]
-  under = jnp.swapaxes(leaf_rows & leaf_valid[:, :, None], 1, 2)  # [B, N, K]
-  one_hot_parent = jax.nn.one_hot(batch.parent, n_nodes, dtype=jnp.int32)  # -1 -> zeros
-  num_children = (one_hot_parent * node_valid[..., None]).sum(1)
-  # Depth-first packing keeps every node's tokens contiguous and in node order,
-  # so node_of_token (padding mapped past the last node) is sorted and the
-  # token count of node n is the width of its run: two binary searches per
-  # node instead of a scatter over all L tokens; trained tokens per node are
-  # differences of the cumulative loss mask at the run boundaries.
-  key = jnp.where(batch.node_of_token >= 0, batch.node_of_token, n_nodes)
-  bounds = jax.vmap(lambda k: jnp.searchsorted(k, jnp.arange(n_nodes + 1), side="left"))(key)
-  node_tokens = (bounds[:, 1:] - bounds[:, :-1]).astype(jnp.int32)
-  # associative_scan: about 2x faster than jnp.cumsum's reduce-window on CPU.
-  cum = lax.associative_scan(jnp.add, batch.loss_mask.astype(jnp.int32), axis=1)
-  cum = jnp.pad(cum, ((0, 0), (1, 0)))
-  at = jnp.take_along_axis(cum, bounds, axis=1)
-  node_policy_tokens = (at[:, 1:] - at[:, :-1]).astype(jnp.int32)
-  path_policy_tokens = jnp.einsum("bnk,bn->bk", under.astype(jnp.int32), node_policy_tokens)
+  # under[b, n, k]: leaf k's node lies in n's subtree.
+  leaf = batch.leaf_node[:, None, :]
+  under = (idx[None, :, None] <= leaf) & (leaf < end[:, :, None]) & leaf_valid[:, None, :]
+  # Children per node: a scatter-add over parents (the root's -1 and padding dropped).
+  slot = jnp.where(node_valid & (batch.parent >= 0), batch.parent, n_nodes)
+  num_children = jax.vmap(lambda s: jnp.zeros(n_nodes, jnp.int32).at[s].add(1, mode="drop"))(slot)
+  path_policy_tokens = jnp.einsum("bnk,bn->bk", under.astype(jnp.int32), batch.node_policy_tokens)
   return TreeStructure(
       node_valid=node_valid,
       leaf_valid=leaf_valid,
@@ -102,8 +82,8 @@ def structure(batch: TreeBatch) -> TreeStructure:
       leaves_under=under,
       num_children=num_children,
       num_leaves_under=under.sum(-1).astype(jnp.int32),
-      node_tokens=node_tokens,
-      node_policy_tokens=node_policy_tokens,
+      node_tokens=batch.node_tokens,
+      node_policy_tokens=batch.node_policy_tokens,
       path_policy_tokens=path_policy_tokens,
       is_policy=batch.node_kind == int(NodeKind.POLICY),
   )

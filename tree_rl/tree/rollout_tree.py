@@ -14,10 +14,13 @@ for every malformed input.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from tree_rl.tree.types import LeafTag, NodeKind
 
@@ -26,6 +29,20 @@ Real = float | int  # host inputs: ints are accepted wherever a float is
 
 class TreeError(ValueError):
   """A malformed RolloutTree. The message names the node or leaf."""
+
+
+def _values_ok(nodes: Sequence[Node], vocab_size: int | None) -> bool:
+  """Whether every token id is in [0, vocab_size) and every log-prob and entropy is finite
+  (one vectorised pass; False also where an array's length is off, left to `check`)."""
+  try:
+    tokens = np.fromiter(itertools.chain.from_iterable(n.tokens for n in nodes), np.int64)
+    values = np.fromiter(itertools.chain.from_iterable(
+        a for n in nodes for a in (n.logprobs, n.entropies) if a is not None), np.float64)
+  except (TypeError, ValueError, OverflowError):
+    return False
+  if tokens.size and (tokens.min() < 0 or (vocab_size is not None and tokens.max() >= vocab_size)):
+    return False
+  return bool(np.isfinite(values).all())
 
 
 @dataclasses.dataclass
@@ -376,7 +393,10 @@ class RolloutTree:
         raise TreeError(f"node {i}: orphan, parent {node.parent} does not exist (tree has {n} nodes)")
       if node.kind == NodeKind.PROMPT:
         raise TreeError(f"node {i}: kind PROMPT is only allowed for the root")
-    for i in range(1, n):
+    # Parents that precede their children rule out cycles; only otherwise is each chain
+    # walked, to name a cycle before the order error below.
+    ordered = all(node.parent < i for i, node in enumerate(self.nodes[1:], start=1))
+    for i in range(1, 1 if ordered else n):
       seen = [i]
       j = self.nodes[i].parent
       while j != -1:
@@ -391,6 +411,9 @@ class RolloutTree:
             f"node {i}: child before parent (parent {node.parent} has a larger index)"
         )
 
+    # One vectorised pass over every token value; only a tree that fails it is searched
+    # token by token below, for the message naming the first bad one.
+    values_ok = _values_ok(self.nodes, vocab_size)
     for i, node in enumerate(self.nodes):
       kind = NodeKind(node.kind).name.lower()
       if not node.tokens:
@@ -406,10 +429,12 @@ class RolloutTree:
           raise TreeError(
               f"node {i}: {len(arr)} {name} for {len(node.tokens)} tokens"
           )
+        if values_ok:
+          continue
         for t, v in enumerate(arr):
           if not math.isfinite(v):
             raise TreeError(f"node {i}: {name}[{t}] is {v} (must be finite)")
-      for t, tok in enumerate(node.tokens):
+      for t, tok in enumerate(() if values_ok else node.tokens):
         if tok < 0 or (vocab_size is not None and tok >= vocab_size):
           raise TreeError(
               f"node {i}: token {tok} at offset {t} is outside the vocabulary"
