@@ -12,7 +12,10 @@ decay-matrix form at L=4096. Prints one line per figure:
 
 and two METRIC lines: GRPO on 512 flat groups of 8 (depth-1 trees) through the general
 tree kernels, `adv.tree_rl.grpo_jit.G512_n8.median_us` (the name the peers' benchmarks
-use), and the host `pack` time of the PORTool-shaped trees.
+use; a whole TreeBatch in, the whole estimator output out), followed by
+`RATIO grpo_flat_groups_tree_over_flat_reference`, its time over the textbook GRPO on a
+[G, n] reward array timed the same way in this run; and the host `pack` time of the
+PORTool-shaped trees.
 
 Both sides are timed in this process, so the ratio is meaningful on a noisy
 shared machine; absolute times are printed for context only. `--quick` (32
@@ -140,7 +143,7 @@ def _time(fn, repeats):
 
 def bench_estimator(label, name, config, trees, batch, reference, inputs, repeats):
   """`reference(canonical_trees, config)` computes the same advantages in Python."""
-  run = lambda: registry.compute_advantages(name, batch, config, **inputs).node_leaf
+  run = lambda: registry.compute_advantages(name, batch, config, **inputs)
   jax.block_until_ready(run())  # compile
   kernel = _time(run, repeats)
   canon = [t.canonical() for t in trees]
@@ -205,18 +208,38 @@ def flat_group_batch(rng, groups, n):
 
 def bench_flat_grpo(rng, groups, n, repeats):
   """GRPO on flat groups through the general tree kernels, timed as the peers time theirs
-  (median of jitted calls after compilation), printed under the peers' metric name."""
+  (median of jitted calls after compilation), printed under the peers' metric name.
+
+  The reference, timed the same way in this process: the textbook form on a [G, n] reward
+  array (mean and unbiased std per row), which is what a flat-rollout trainer runs. The
+  tree side gets a whole TreeBatch and returns the full estimator output (leaf advantages,
+  the trained-leaf mask, the group metrics)."""
   batch = flat_group_batch(rng, groups, n)
   config = registry.get("grpo").config_cls()
-  fn = jax.jit(lambda b: registry.compute_advantages("grpo", b, config).node_leaf)
-  jax.block_until_ready(fn(batch))
-  times = []
-  for _ in range(max(repeats, 20)):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(batch))
-    times.append(time.perf_counter() - t0)
-  print(f"METRIC adv.tree_rl.grpo_jit.G{groups}_n{n}.median_us {np.median(times) * 1e6:.1f}",
-        flush=True)
+  tree = jax.jit(lambda b: registry.compute_advantages("grpo", b, config))
+  rewards = batch.leaf_rewards("outcome")
+
+  @jax.jit
+  def flat(r):
+    mean = r.mean(-1, keepdims=True)
+    std = jnp.sqrt(((r - mean) ** 2).sum(-1, keepdims=True) / (r.shape[-1] - 1))
+    return (r - mean) / (std + config.std_eps)
+
+  np.testing.assert_allclose(tree(batch).leaf_values, flat(rewards), atol=1e-5)
+
+  def median(fn, arg):
+    jax.block_until_ready(fn(arg))
+    times = []
+    for _ in range(max(repeats, 200)):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(arg))
+      times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+  t_tree, t_flat = median(tree, batch), median(flat, rewards)
+  print(f"METRIC adv.tree_rl.grpo_jit.G{groups}_n{n}.median_us {t_tree * 1e6:.1f}", flush=True)
+  print(f"# flat [G, n] reference: {t_flat * 1e6:.1f} us", flush=True)
+  print(f"RATIO grpo_flat_groups_tree_over_flat_reference {t_tree / t_flat:.2f}", flush=True)
 
 
 def bench_pack(trees, repeats):

@@ -191,14 +191,15 @@ def _grpo(batch) -> Advantages:
 @jax.jit
 def _tree_side(tree_batch):
   st = derived.structure(tree_batch)
-  leaf_adv = tree_zscore(tree_batch.leaf_rewards("outcome"), st, ddof=1, eps=1e-6)  # [B, K]
+  leaf_adv = tree_zscore(tree_batch.leaf_rewards("outcome"), st.leaf_valid, ddof=1,
+                         eps=1e-6)  # [B, K]
   return compute_advantages("grpo", tree_batch), leaf_adv, st.leaf_valid
 
 
 @jax.jit
 def _flat_side(flat_batch, leaf_adv) -> Advantages:
   """leaf_adv: [P], one value per chain (flat row) in row order."""
-  return Advantages.from_leaf_values(derived.structure(flat_batch), leaf_adv[:, None])
+  return Advantages.from_leaf_values(flat_batch.leaf_node >= 0, leaf_adv[:, None])
 
 
 # ----------------------------------------------------------------------------

@@ -53,9 +53,8 @@ def run(trees, config=None, buckets=BUCKETS, check=True):
 
 
 def leaf_adv(adv, b, tree):
-  """A_hyper of each leaf of tree b, read on the leaf's own (policy) node."""
-  nl = np.asarray(adv.node_leaf)
-  return np.array([nl[b, leaf.node, k] for k, leaf in enumerate(tree.leaves)])
+  """A_hyper of each leaf of tree b (AWPO returns one value per leaf)."""
+  return np.asarray(adv.leaf_values)[b, :len(tree.leaves)]
 
 
 def extras(adv):
@@ -143,10 +142,10 @@ def test_outcome_tie_with_varying_judge_is_discarded():
 def test_identical_rewards_give_zero():
   # sd_out = sd_mix = 0 -> gate = 0, w = 0, A = 0; the group counts w = 0 in w_bar.
   tree = flat([1.0] * 5, [0.2] * 5)
-  _, adv = run([tree])
+  batch, adv = run([tree])
   ex = extras(adv)
   assert ex["gate"][0] == 0.0 and ex["w"][0] == 0.0
-  assert (np.asarray(adv.node_leaf) == 0.0).all()
+  assert (np.asarray(adv.dense(batch)) == 0.0).all()
   assert float(ex["clip_eps"]) == pytest.approx(0.2)
   assert float(adv.metrics["awpo/frac_sd_out_zero"]) == 1.0
 
@@ -155,9 +154,9 @@ def test_saturation_gate():
   # All outcomes perfect: mean_out = 2 = R_out_max -> w = 0 even with the cap off; A_out
   # = 0, so A = 0.
   tree = flat([2.0] * 4, [0.0, 0.2, 0.6, 1.0])
-  _, adv = run([tree], CONFIGS[1])
+  batch, adv = run([tree], CONFIGS[1])
   assert CONFIGS[1].eps_mix > 1 and extras(adv)["w"][0] == 0.0
-  assert (np.asarray(adv.node_leaf) == 0.0).all()
+  assert (np.asarray(adv.dense(batch)) == 0.0).all()
   # mean_out = 1.5 with a constant judge (gate ~ 0.5): the strict "<" in eq. 25 switches the
   # mix off at R_out_max = 1.5, and it is on at the default 2.0.
   tree = flat([1.0, 2.0], [0.6, 0.6])
@@ -188,7 +187,7 @@ def test_batch_clip_radius_and_padding_trees():
   # clip_eps = 0.1 + (1 - (0.5 + 0 + 0.615) / 3) * 0.1 ~ 0.1628. The padding tree (bucket of
   # 4 trees) must not count in w_bar and must come out as finite zeros.
   trees = [flat(R_OUT, [0.6] * 4), flat([1.0] * 3, [0.2] * 3), flat(R_OUT, [0.2, 0.4, 0.6, 0.8])]
-  _, adv = run(trees)
+  batch, adv = run(trees)
   ex = extras(adv)
   w = [ref_awpo.tree_group(t, DEFAULT)["w"] for t in trees]
   np.testing.assert_allclose(ex["w"][:3], w, atol=1e-6)
@@ -199,7 +198,7 @@ def test_batch_clip_radius_and_padding_trees():
   assert float(adv.metrics["awpo/w_bar"]) == pytest.approx(sum(w) / 3, abs=1e-6)
   for key in ("gate", "w", "d"):
     assert (ex[key][3:] == 0.0).all()
-  nl = np.asarray(adv.node_leaf)
+  nl = np.asarray(adv.dense(batch))
   assert np.isfinite(nl).all() and (nl[3:] == 0.0).all()
   # Metrics over the 3 valid groups: sd_out = 0 in one, w > 0 in two, all in the band
   # except the group without spread (mean 1.0).
@@ -359,9 +358,9 @@ def test_missing_judge_falls_back_to_outcome():
   nan = float("nan")
   trees = [flat(R_OUT, [0.2, nan, 0.6, 1.0]), flat(R_OUT, [nan] * 4),
            flat(R_OUT, [0.2, 0.4, 0.6, 0.8])]
-  _, adv = run(trees, check=False)
+  batch, adv = run(trees, check=False)
   ex = extras(adv)
-  assert np.isfinite(np.asarray(adv.node_leaf)).all()
+  assert np.isfinite(np.asarray(adv.dense(batch))).all()
   assert all(np.isfinite(v).all() for v in ex.values())
   assert ex["w"][0] == 0.0 and ex["w"][1] == 0.0 and ex["w"][2] > 0.6
   for b in (0, 1):
@@ -402,7 +401,7 @@ def check_against_reference(trees, cfg, check=True):
     assert ex["gate"][b] == pytest.approx(g["gate"], abs=1e-5)
   if not any(g["near_edge"] for g in groups):
     assert float(ex["clip_eps"]) == pytest.approx(ref_awpo.clip_radius(canon, cfg), abs=1e-5)
-  assert np.isfinite(np.asarray(adv.node_leaf)).all()
+  assert np.isfinite(np.asarray(adv.dense(batch))).all()
 
 
 @settings(max_examples=200, deadline=None)
@@ -441,9 +440,9 @@ def flattened(tree: RolloutTree) -> RolloutTree:
   return out
 
 
-def per_leaf(adv, b, tree):
-  """Each leaf's advantage: node_leaf is constant over the policy nodes of its path."""
-  nl = np.asarray(adv.node_leaf)[b]
+def per_leaf(batch, adv, b, tree):
+  """Each leaf's advantage: the dense form is constant over the policy nodes of its path."""
+  nl = np.asarray(adv.dense(batch))[b]
   out = []
   for k, leaf in enumerate(tree.leaves):
     vals = {float(nl[n, k]) for n in tree.path(leaf.node) if tree.nodes[n].kind == NodeKind.POLICY}
@@ -466,14 +465,14 @@ def test_invariances(tree, shift, perm_seed):
   permuted.nodes = [permuted.nodes[0]] + [permuted.nodes[1 + i] for i in perm]
   permuted.leaves = [dataclasses.replace(flat_t.leaves[i], node=1 + j) for j, i in enumerate(perm)]
   # Flattening copies shared prefixes once per leaf: a token bucket that fits that.
-  _, adv = run([tree, flat_t, shifted, permuted], buckets=INVARIANCE_BUCKETS)
-  base = per_leaf(adv, 0, tree)
+  batch, adv = run([tree, flat_t, shifted, permuted], buckets=INVARIANCE_BUCKETS)
+  base = per_leaf(batch, adv, 0, tree)
   # The group is all leaves of the tree: the tree's shape does not matter.
-  np.testing.assert_allclose(per_leaf(adv, 1, flat_t), base, atol=1e-5)
+  np.testing.assert_allclose(per_leaf(batch, adv, 1, flat_t), base, atol=1e-5)
   # A constant added to every judge score changes no standard deviation or z-score.
-  np.testing.assert_allclose(per_leaf(adv, 2, shifted), base, atol=1e-5)
+  np.testing.assert_allclose(per_leaf(batch, adv, 2, shifted), base, atol=1e-5)
   # Reordering the responses reorders their advantages.
-  np.testing.assert_allclose(per_leaf(adv, 3, permuted), base[perm], atol=1e-5)
+  np.testing.assert_allclose(per_leaf(batch, adv, 3, permuted), base[perm], atol=1e-5)
   ex = extras(adv)
   np.testing.assert_allclose(ex["w"], ex["w"][0], atol=1e-6)
   # Group advantages are centred: sum_k A_k = d * sum_k ((1 - w) A_out + w A_mix) = 0.
@@ -487,7 +486,7 @@ def test_degenerate_trees_are_finite():
   e = chain.add_node(p, NodeKind.ENV, [3])
   p2 = chain.add_node(e, NodeKind.POLICY, [4], logprobs=[-1.0])
   chain.add_leaf(p2, {"outcome": 2.0, "reasoning": 1.0})
-  _, adv = run([one_leaf, chain])
-  assert (np.asarray(adv.node_leaf) == 0.0).all()  # K = 1: sd = 0, A = 0
+  batch, adv = run([one_leaf, chain])
+  assert (np.asarray(adv.dense(batch)) == 0.0).all()  # K = 1: sd = 0, A = 0
   assert all(np.isfinite(np.asarray(v)).all() for v in adv.extras.values())
   assert all(np.isfinite(float(v)) for v in adv.metrics.values())

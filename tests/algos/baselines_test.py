@@ -34,13 +34,41 @@ def _flat(rewards, lengths=None):
 def _leaf_adv(name, tree, config=None):
   """Per-leaf advantage read off the leaf's own (last policy) node."""
   batch, adv = harness.run(name, [tree], config)
-  nl = np.asarray(adv.node_leaf)[0]
+  nl = np.asarray(adv.dense(batch))[0]
   return np.array([nl[l.node, k] for k, l in enumerate(tree.canonical().leaves)])
 
 
 # ----------------------------------------------------------------------------
 # Hand fixtures
 # ----------------------------------------------------------------------------
+
+
+def test_advantage_forms_expand_on_paths():
+  # GRPO returns [B, K] leaf values, ARPO-hard [B, N] node values; dense() puts them on the
+  # policy nodes of each leaf's path (0 on the prompt and off the path), and an output with
+  # no form or two forms is refused.
+  t = RolloutTree.new([1])
+  a = t.add_node(0, NodeKind.POLICY, [2], logprobs=[-1.0])
+  e = t.add_node(a, NodeKind.ENV, [3])
+  b = t.add_node(e, NodeKind.POLICY, [4], logprobs=[-1.0])
+  c = t.add_node(0, NodeKind.POLICY, [5], logprobs=[-1.0])
+  t.add_leaf(b, {"outcome": 1.0})
+  t.add_leaf(c, {"outcome": 0.0})
+  batch, adv = harness.run("grpo", [t])
+  assert adv.leaf_values.shape == batch.leaf_node.shape and adv.node_leaf is None
+  z = 0.707106  # [1, 0]: mean 0.5, unbiased std 0.707107
+  want = np.zeros(adv.dense(batch).shape[1:])
+  want[[a, b], 0], want[c, 1] = z, -z
+  np.testing.assert_allclose(np.asarray(adv.dense(batch))[0], want, atol=5e-6)
+  _, hard = harness.run("arpo", [t], grpo.ARPOConfig(attribution="hard"))
+  assert hard.node_values.shape == batch.parent.shape
+  np.testing.assert_allclose(np.asarray(hard.dense(batch))[0], want, atol=5e-6)
+  with pytest.raises(ValueError, match="exactly one of"):
+    adv.replace(leaf_values=None).dense(batch)
+  with pytest.raises(ValueError, match="exactly one of"):
+    adv.replace(node_values=hard.node_values).dense(batch)
+
+
 
 
 def test_grpo_hand():
@@ -127,7 +155,7 @@ def test_dapo_config_penalises_a_response_at_its_budget():
   st = structure(batch)
   lengths = np.asarray(st.path_policy_tokens)[0][np.asarray(st.leaf_valid)[0]]
   leaves = [l.node for l in _steps_tree().canonical().leaves]
-  got = np.array([np.asarray(adv.node_leaf)[0, n, k] for k, n in enumerate(leaves)])
+  got = np.array([np.asarray(adv.dense(batch))[0, n, k] for k, n in enumerate(leaves)])
   # Equal outcomes; R_length (Eq. 13, L_max 960, L_cache 192): 960 -> (768 - 960)/192 = -1,
   # 864 -> -0.5, 100 -> 0. Shaped rewards [0, 0.5, 1] (mean 0.5, unbiased std 0.5) -> z -1, 0, 1.
   want = {960: -1.0, 864: 0.0, 100: 1.0}
@@ -135,8 +163,8 @@ def test_dapo_config_penalises_a_response_at_its_budget():
   np.testing.assert_allclose(got, [want[int(n)] for n in lengths], atol=1e-5)
   assert float(adv.metrics["reward_mean"]) == pytest.approx(0.5, abs=1e-6)
   # The paper's defaults on the same tree: the penalty starts at 16,384 tokens, never here.
-  _, paper = harness.run("dapo", [_steps_tree()], grpo.DAPOConfig(), buckets=Buckets.exact())
-  np.testing.assert_array_equal(np.asarray(paper.node_leaf), 0.0)
+  batch, paper = harness.run("dapo", [_steps_tree()], grpo.DAPOConfig(), buckets=Buckets.exact())
+  np.testing.assert_array_equal(np.asarray(paper.dense(batch)), 0.0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -182,13 +210,13 @@ def test_arpo_hard_attribution_averages_shared_tokens():
   d = t.add_node(0, NodeKind.POLICY, [6], logprobs=[-1])
   for n, r in [(b, 1), (c, 0), (d, 0)]:
     t.add_leaf(n, {"outcome": r})
-  _, soft = harness.run("arpo", [t])
+  batch, soft = harness.run("arpo", [t])
   _, hard = harness.run("arpo", [t], grpo.ARPOConfig(attribution="hard"))
   z = np.array([1.154701, -0.577350, -0.577350])  # [1, 0, 0], unbiased std
-  np.testing.assert_allclose(np.asarray(soft.node_leaf)[0, a, :3], [z[0], z[1], 0], atol=5e-6)
+  np.testing.assert_allclose(np.asarray(soft.dense(batch))[0, a, :3], [z[0], z[1], 0], atol=5e-6)
   mean_a = (z[0] + z[1]) / 2
-  np.testing.assert_allclose(np.asarray(hard.node_leaf)[0, a, :3], [mean_a, mean_a, 0], atol=5e-6)
-  np.testing.assert_allclose(np.asarray(hard.node_leaf)[0, b, 0], z[0], atol=5e-6)
+  np.testing.assert_allclose(np.asarray(hard.dense(batch))[0, a, :3], [mean_a, mean_a, 0], atol=5e-6)
+  np.testing.assert_allclose(np.asarray(hard.dense(batch))[0, b, 0], z[0], atol=5e-6)
 
 
 def test_tree_grpo_hand():
@@ -224,7 +252,7 @@ def test_tree_rpo_hand():
     t.add_leaf(n, {"outcome": r})
   batch, adv = harness.run("tree_rpo", [t])
   canon = t.canonical()
-  nl = np.asarray(adv.node_leaf)[0]
+  nl = np.asarray(adv.dense(batch))[0]
   backed = np.asarray(adv.extras["backed_up"])[0]
   # Canonical order equals insertion order here (each node added under the
   # previous subtree in depth-first order).
@@ -278,9 +306,9 @@ def test_depth_one_tree_gives_grpo(name, config):
   @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
   @given(st.lists(S.flat_tree(), min_size=1, max_size=4))
   def check(trees):
-    _, want = harness.run("grpo", trees)
+    batch, want = harness.run("grpo", trees)
     _, got = harness.run(name, trees, config)
-    np.testing.assert_allclose(np.asarray(got.node_leaf), np.asarray(want.node_leaf), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got.dense(batch)), np.asarray(want.dense(batch)), atol=1e-5)
 
   check()
 

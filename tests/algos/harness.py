@@ -39,8 +39,8 @@ def run(name, trees: Sequence[RolloutTree], config=None, inputs=None, buckets=TE
 
 
 def node_leaf_per_tree(batch, adv, trees: Sequence[RolloutTree]) -> list[np.ndarray]:
-  """adv.node_leaf trimmed to each tree's [num_nodes, num_leaves] (canonical order)."""
-  nl = np.asarray(adv.node_leaf)
+  """adv.dense(batch) trimmed to each tree's [num_nodes, num_leaves] (canonical order)."""
+  nl = np.asarray(adv.dense(batch))
   return [nl[b, : len(t.nodes), : len(t.leaves)] for b, t in enumerate(trees)]
 
 
@@ -61,5 +61,5 @@ def assert_matches_reference(
     want = np.asarray(reference(t, cfg), np.float64)
     np.testing.assert_allclose(got[b], want, atol=atol, rtol=rtol,
                                err_msg=f"{name}: tree {b} differs from the reference")
-  assert np.isfinite(np.asarray(adv.node_leaf)).all()
+  assert np.isfinite(np.asarray(adv.dense(batch))).all()
   return batch, adv

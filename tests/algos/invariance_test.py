@@ -57,7 +57,7 @@ def test_finite_and_zero_on_padding(name):
   def check(trees):
     buckets = dataclasses.replace(S.TEST_BUCKETS, trees=(len(trees) + 2,))
     batch, adv = run(name, trees, buckets=buckets)
-    nl = np.asarray(adv.node_leaf)
+    nl = np.asarray(adv.dense(batch))
     ts = np.asarray(adv.token_scale_or_ones(batch.tokens.shape))
     assert np.isfinite(nl).all() and np.isfinite(ts).all()
     for m in adv.metrics.values():
@@ -93,8 +93,8 @@ def test_constant_rewards_give_zero_advantage(name):
   @SETTINGS
   @given(TREES, st.sampled_from([-1.0, 0.0, 0.5, 1.0]))
   def check(trees, value):
-    _, adv = run(name, [_constant_rewards(t, value) for t in trees], config)
-    np.testing.assert_allclose(np.asarray(adv.node_leaf), 0.0, atol=1e-6)
+    batch, adv = run(name, [_constant_rewards(t, value) for t in trees], config)
+    np.testing.assert_allclose(np.asarray(adv.dense(batch)), 0.0, atol=1e-6)
 
   check()
 
@@ -129,9 +129,9 @@ def test_permuting_siblings_permutes_outputs(name):
     rng = np.random.default_rng(seed)
     canon = [t.canonical() for t in trees]
     perm = [_permute_siblings(t, rng) for t in canon]
-    _, a = run(name, canon)
-    _, b = run(name, [p for p, _ in perm])
-    a_nl, b_nl = np.asarray(a.node_leaf), np.asarray(b.node_leaf)
+    batch_a, a = run(name, canon)
+    batch_b, b = run(name, [p for p, _ in perm])
+    a_nl, b_nl = np.asarray(a.dense(batch_a)), np.asarray(b.dense(batch_b))
     for i, (t, (p, new)) in enumerate(zip(canon, perm)):
       leaf_new = {k: [l.node for l in p.leaves].index(new[l.node]) for k, l in enumerate(t.leaves)}
       for n in range(len(t.nodes)):

@@ -124,7 +124,7 @@ def flat_inputs(batch, adv, logp, ref, ent):
   node = np.maximum(np.asarray(batch.node_of_token)[b, safe], 0)
   k = np.arange(idx.shape[1])[None, :, None]
   scale = np.asarray(adv.token_scale_or_ones(logp.shape))
-  a = np.where(idx >= 0, np.asarray(adv.node_leaf)[b, node, k] * take(scale), 0.0)
+  a = np.where(idx >= 0, np.asarray(adv.dense(batch))[b, node, k] * take(scale), 0.0)
   trained = (idx >= 0).any(-1) & np.asarray(adv.leaf_mask)
   return idx, dict(logp=take(logp), blogp=np.asarray(flat.behavior_logp),
                    mask=np.asarray(flat.loss_mask), adv=a.astype(np.float32),
@@ -184,9 +184,11 @@ def random_advantages(batch, rng):
 
 
 def core(adv, extras=None):
-  """An estimator's output without its metrics (same pytree for every estimator)."""
-  scale = adv.token_scale_or_ones(adv.node_leaf.shape[:1] + (BUCKETS.tokens[0],))
-  return Advantages(node_leaf=adv.node_leaf, leaf_mask=adv.leaf_mask, token_scale=scale,
+  """An estimator's output, in its own form (leaf, node or node-leaf values), without its
+  metrics and with an explicit token scale."""
+  scale = adv.token_scale_or_ones(adv.leaf_mask.shape[:1] + (BUCKETS.tokens[0],))
+  return Advantages(node_leaf=adv.node_leaf, leaf_values=adv.leaf_values,
+                    node_values=adv.node_values, leaf_mask=adv.leaf_mask, token_scale=scale,
                     extras=extras or {})
 
 

@@ -60,7 +60,7 @@ def flat_loss(model, batch, adv, mode):
   lp, _ = sequence_logprobs(model, flat.tokens.reshape(b * k, p), valid.reshape(b * k, p))
   lp = lp.reshape(b, k, p)
   node = derived.gather_tokens(batch.node_of_token, flat.token_index, 0)
-  a = jnp.take_along_axis(jnp.swapaxes(adv.node_leaf, 1, 2), node, axis=2)  # [B, K, P]
+  a = jnp.take_along_axis(jnp.swapaxes(adv.dense(batch), 1, 2), node, axis=2)  # [B, K, P]
   ratio = jnp.exp(jnp.where(flat.loss_mask, lp - flat.behavior_logp, 0.0))
   term = -jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a)
   return jnp.sum(flat.weights * term)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from tree_rl.algos import registry
 from tree_rl.algos.registry import AdvEstimator, Advantages
-from tree_rl.tree import derived, segment
+from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 
 
@@ -126,7 +126,7 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
     config: AWPOConfig (static under jit).
 
   Returns:
-    Advantages with node_leaf [B, N, K] = A_hyper of leaf k on the policy nodes of its path;
+    Advantages with leaf_values [B, K] = A_hyper of leaf k (on the policy nodes of its path);
     extras: "clip_eps" (scalar, eq. 29, computed once per rollout batch: the radius of every
     PPO epoch and minibatch on it; the loss clips at [1 - clip_eps, 1 + clip_eps]),
     "gate" [B] (eq. 24), "w" [B] (eq. 25; the w_g used, 1 without gating), "d" [B]
@@ -134,8 +134,7 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
     metrics: w_bar, clip_eps, mean gate and the fractions of valid groups with sd_out = 0,
     w > 0, d = alpha_prio and a missing judge score.
   """
-  st = derived.structure(batch)
-  leaf_ok = st.leaf_valid  # [B, K]
+  leaf_ok = batch.leaf_node >= 0  # [B, K]; a per-leaf value needs no tree structure
   tree_ok = leaf_ok.any(-1)  # [B]; padding trees have no leaves
   # One segment per tree: id 0 on valid leaves, -1 (dropped) on padding leaves.
   gid = jnp.where(leaf_ok, 0, -1)
@@ -204,4 +203,4 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
   }
   extras = {"clip_eps": clip_eps, "gate": gate, "w": w, "d": d}
   return Advantages.from_leaf_values(
-      st, a_hyper, metrics=metrics, extras=extras)
+      leaf_ok, a_hyper, metrics=metrics, extras=extras)

@@ -59,12 +59,13 @@ class ZScoreConfig(CenteredConfig):
 
 
 def tree_zscore(
-    values: Float[Array, "B K"], st: TreeStructure, *, ddof: int, eps: float,
+    values: Float[Array, "B K"], leaf_valid: Bool[Array, "B K"], *, ddof: int, eps: float,
     center_only: bool = False,
 ) -> Float[Array, "B K"]:
-  """Z-score of per-leaf values over all valid leaves of each tree."""
+  """Z-score of per-leaf values over all valid leaves of each tree (one group per tree: a
+  masked row reduction)."""
   group = jnp.zeros(values.shape, jnp.int32)
-  return segment.segment_zscore(values, group, 1, st.leaf_valid, ddof=ddof, eps=eps,
+  return segment.segment_zscore(values, group, 1, leaf_valid, ddof=ddof, eps=eps,
                                 center_only=center_only)
 
 
@@ -85,22 +86,22 @@ def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
   DeepSeekMath (arXiv 2402.03300) §4.1.2, outcome supervision: every token of
   rollout k gets A_k.
   """
-  st = structure(batch)
+  valid = batch.leaf_node >= 0  # a leaf value needs no tree structure
   r = batch.leaf_rewards(*config.reward_channels)
-  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
-  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
+  a = tree_zscore(r, valid, ddof=config.std_ddof, eps=config.std_eps)
+  return Advantages.from_leaf_values(valid, a, metrics=_group_metrics(r, valid))
 
 
-def _group_metrics(r: Float[Array, "B K"], st: TreeStructure) -> dict:
-  tree_ok = st.leaf_valid.any(-1)
-  n = jnp.maximum(st.leaf_valid.sum(-1), 1)
-  mean = jnp.where(st.leaf_valid, r, 0).sum(-1) / n
-  std = segment.segment_std(r, jnp.zeros(r.shape, jnp.int32), 1, st.leaf_valid, ddof=0)[:, 0]
-  n_trees = jnp.maximum(tree_ok.sum(), 1)
-  return {
-      "reward_mean": jnp.where(tree_ok, mean, 0).sum() / n_trees,
-      "zero_std_frac": jnp.where(tree_ok & (std <= segment.STD_FLOOR), 1.0, 0.0).sum() / n_trees,
-  }
+def _group_metrics(r: Float[Array, "B K"], leaf_valid: Bool[Array, "B K"]) -> dict:
+  """Mean reward and the fraction of trees with no reward spread, over the non-empty trees
+  (the per-tree figures are reduced together: one pass, not one per metric)."""
+  tree_ok = leaf_valid.any(-1)
+  mean, std = segment.row_moments(r, leaf_valid, ddof=0)
+  per_tree = jnp.stack([tree_ok, jnp.where(tree_ok, mean[:, 0], 0.0),
+                        tree_ok & (std[:, 0] <= segment.STD_FLOOR)]).astype(jnp.float32)
+  n_trees, total, flat = per_tree.sum(-1)
+  n_trees = jnp.maximum(n_trees, 1.0)
+  return {"reward_mean": total / n_trees, "zero_std_frac": flat / n_trees}
 
 
 # ----------------------------------------------------------------------------
@@ -120,10 +121,10 @@ def dr_grpo_advantages(batch: TreeBatch, config: DrGRPOConfig) -> Advantages:
   The other half of Dr.GRPO, a constant (not per-sequence) length
   normaliser, is the loss aggregation `seq_mean_token_sum`.
   """
-  st = structure(batch)
+  valid = batch.leaf_node >= 0
   r = batch.leaf_rewards(*config.reward_channels)
-  a = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
-  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
+  a = tree_zscore(r, valid, ddof=0, eps=0.0, center_only=True)
+  return Advantages.from_leaf_values(valid, a, metrics=_group_metrics(r, valid))
 
 
 # ----------------------------------------------------------------------------
@@ -209,10 +210,10 @@ def dapo_advantages(batch: TreeBatch, config: DAPOConfig) -> Advantages:
     r = r + config.overlong_penalty * jnp.where(
         st.leaf_valid,
         overlong_penalty(length, config.max_response_tokens, config.overlong_buffer_tokens), 0.0)
-  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
-  metrics = _group_metrics(r, st)
+  a = tree_zscore(r, st.leaf_valid, ddof=config.std_ddof, eps=config.std_eps)
+  metrics = _group_metrics(r, st.leaf_valid)
   metrics["keep_frac"] = dapo_keep_mask(batch, config, st).mean()
-  return Advantages.from_leaf_values(st, a, metrics=metrics)
+  return Advantages.from_leaf_values(st.leaf_valid, a, metrics=metrics)
 
 
 def dapo_keep_mask(
@@ -248,12 +249,12 @@ def rloo_advantages(batch: TreeBatch, config: RLOOConfig) -> Advantages:
   """A_k = R_k - mean_{j != k} R_j = G/(G-1) * (R_k - mean R) (REINFORCE
   leave-one-out, Ahmadian et al., arXiv 2402.14740). 0 for a group of one
   (docs/methods/grpo.md#rloo-group-of-one)."""
-  st = structure(batch)
+  valid = batch.leaf_node >= 0
   r = batch.leaf_rewards(*config.reward_channels)
-  g = st.leaf_valid.sum(-1, keepdims=True).astype(jnp.float32)
-  centered = tree_zscore(r, st, ddof=0, eps=0.0, center_only=True)
+  g = valid.sum(-1, keepdims=True).astype(jnp.float32)
+  centered = tree_zscore(r, valid, ddof=0, eps=0.0, center_only=True)
   a = jnp.where(g > 1, centered * g / jnp.maximum(g - 1, 1.0), 0.0)
-  return Advantages.from_leaf_values(st, a, metrics=_group_metrics(r, st))
+  return Advantages.from_leaf_values(valid, a, metrics=_group_metrics(r, valid))
 
 
 # ----------------------------------------------------------------------------
@@ -284,12 +285,13 @@ def arpo_advantages(batch: TreeBatch, config: ARPOConfig) -> Advantages:
   of the leaves below them, so every copy agrees
   (docs/methods/grpo.md#arpo-advantage-attribution).
   """
-  st = structure(batch)
+  valid = batch.leaf_node >= 0
   r = batch.leaf_rewards(*config.reward_channels)
-  a = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
-  metrics = _group_metrics(r, st)
+  a = tree_zscore(r, valid, ddof=config.std_ddof, eps=config.std_eps)
+  metrics = _group_metrics(r, valid)
   if config.attribution == Attribution.SOFT:
-    return Advantages.from_leaf_values(st, a, metrics=metrics)
+    return Advantages.from_leaf_values(valid, a, metrics=metrics)
+  st = structure(batch)
   under = st.leaves_under.astype(jnp.float32)
   node_mean = jnp.einsum("bnk,bk->bn", under, a) / jnp.maximum(under.sum(-1), 1.0)
-  return Advantages.from_node_values(st, node_mean, metrics=metrics)
+  return Advantages.from_node_values(valid, node_mean, metrics=metrics)

@@ -173,7 +173,8 @@ def policy_loss(
   Args:
     logp: [B, L] current log-probs of the packed tokens (only loss_mask tokens are used).
     batch: the packed trees; behavior_logp [B, L] are the sampling policy's log-probs.
-    adv: node_leaf [B, N, K] advantages, leaf_mask [B, K] (trained sequences), token_scale
+    adv: advantages (leaf, node or [B, N, K] values: Advantages.dense), leaf_mask [B, K]
+      (trained sequences), token_scale
       [B, L] or None (ones); extras[AWPO_CLIP_KEY] (scalar), when present, is the radius of
       both sides of the clip in place of config.clip_eps_low/high (AWPO Eq. 29-30).
     config: LossConfig (static under jit).
@@ -207,7 +208,7 @@ def policy_loss(
   under = st.leaves_under.astype(jnp.float32)  # [B, N, K]
   # Entries off a leaf's path are ignored whatever the estimator wrote there.
   on_path = lambda x: jnp.where(st.leaves_under, x, 0.0)
-  a_pos, a_neg = _split(on_path(adv.node_leaf))  # [B, N, K]
+  a_pos, a_neg = _split(on_path(adv.dense(st)))  # [B, N, K]
   # Clip metrics count pairs by the sign of their whole advantage.
   is_pos = (a_pos > 0).astype(jnp.float32)
   is_neg = (a_neg > 0).astype(jnp.float32)

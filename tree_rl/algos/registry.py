@@ -6,17 +6,17 @@ dataclass (paper defaults) and the names of any extra per-token inputs it
 needs (APPO: the current policy's log-probs and entropies). Config validation
 reads this registry, so the Enum and the implementations cannot drift.
 
-Output contract. `Advantages.node_leaf[b, n, k]` is the advantage of the
-policy tokens of node n *as part of leaf k's root-to-leaf sequence*: 0 when n
-is not on k's path and on prompt/env nodes. A per-(node, leaf) array is what
-makes the tree loss equal the flattened-leaf loss for every method: GRPO over
-the leaves of a tree gives a shared prefix a different advantage in each
-sequence it belongs to, and PORTool's Theorem 3.1 weight omega_2 depends on
-the sequence (|tau_j|). Methods whose advantage is a per-node value
-(TreeRPO) broadcast it over the leaves below. `token_scale` is a positive
-per-token multiplier (APPO's 1 + b * A_fut); it is None for every other
-method, meaning all ones, so cheap estimators never write an `[B, L]` array.
-`leaf_mask` says which sequences are trained (APPO: the initial rollouts only).
+Output contract. The dense advantage `node_leaf[b, n, k]` (`Advantages.dense`) is the
+advantage of the policy tokens of node n *as part of leaf k's root-to-leaf sequence*: 0
+when n is not on k's path and on prompt/env nodes. A per-(node, leaf) value is what
+makes the tree loss equal the flattened-leaf loss for every method: GRPO over the leaves
+of a tree gives a shared prefix a different advantage in each sequence it belongs to, and
+PORTool's Theorem 3.1 weight omega_2 depends on the sequence (|tau_j|). Most methods need
+less: a value per leaf (GRPO and its relatives, AWPO) or per node (TreeRPO), and return
+that ([B, K] or [B, N]); the loss expands it along each leaf's path. `token_scale` is a
+positive per-token multiplier (APPO's 1 + b * A_fut); it is None for every other method,
+meaning all ones, so cheap estimators never write an `[B, L]` array. `leaf_mask` says
+which sequences are trained (APPO: the initial rollouts only).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from tree_rl.tree.batch import TreeBatch
+from tree_rl.tree import derived
 from tree_rl.tree.derived import TreeStructure
 from tree_rl.tree.types import Array, Bool, Float
 
@@ -57,22 +58,42 @@ class AdvEstimator(str, enum.Enum):
 
 @flax.struct.dataclass
 class Advantages:
-  node_leaf: Float[Array, "B N K"]
+  """An estimator's output, in the cheapest of three forms (exactly one is set):
+
+  leaf_values [B, K]: one value per sequence, on every policy node of its path (GRPO and the
+    other group baselines, AWPO); node_values [B, N]: one value per policy node, the same in
+    every sequence through it (TreeRPO, ARPO hard); node_leaf [B, N, K]: the general form
+    (PORTool, APPO). `dense()` expands any form to [B, N, K]; the loss does that itself, so
+    an estimator whose value is per leaf costs O(K) and never touches the tree structure.
+  """
+
   leaf_mask: Bool[Array, "B K"]
+  node_leaf: Float[Array, "B N K"] | None = None
+  leaf_values: Float[Array, "B K"] | None = None
+  node_values: Float[Array, "B N"] | None = None
   token_scale: Float[Array, "B L"] | None = None  # None: all ones
   metrics: dict[str, Float[Array, ""]] = flax.struct.field(default_factory=dict)
   # Method-specific arrays the loss or the logs need (PORTool's trajectory and
   # fork parts for the two-term surrogate, AWPO's batch clip radius).
   extras: dict[str, Array] = flax.struct.field(default_factory=dict)
 
-  @staticmethod
-  def _on_paths(st, values, leaf_mask, **kw) -> "Advantages":
-    """`values` (broadcastable to [B, N, K]) on the policy nodes of each
-    trained leaf's path, 0 elsewhere."""
-    mask = st.leaf_valid if leaf_mask is None else st.leaf_valid & leaf_mask
-    node_leaf = jnp.where(
-        st.leaves_under & st.is_policy[:, :, None] & mask[:, None, :], values, 0.0)
-    return Advantages(node_leaf=node_leaf, leaf_mask=mask, **kw)
+  def dense(self, st: TreeStructure | TreeBatch) -> Float[Array, "B N K"]:
+    """node_leaf [B, N, K], whichever form the estimator returned: a leaf or node value on
+    the policy nodes of each trained leaf's path, 0 elsewhere. `st`: the batch's structure
+    (or the batch, whose structure is then derived)."""
+    forms = [f for f in ("node_leaf", "leaf_values", "node_values")
+             if getattr(self, f) is not None]
+    if len(forms) != 1:
+      raise ValueError(f"Advantages needs exactly one of node_leaf, leaf_values, node_values;"
+                       f" got {forms or 'none'}")
+    if self.node_leaf is not None:
+      return self.node_leaf
+    if isinstance(st, TreeBatch):
+      st = derived.structure(st)
+    values = (self.leaf_values[:, None, :] if self.leaf_values is not None
+              else self.node_values[:, :, None])
+    on = st.leaves_under & st.is_policy[:, :, None] & self.leaf_mask[:, None, :]
+    return jnp.where(on, values, 0.0)
 
   def token_scale_or_ones(self, shape: tuple[int, int]) -> Float[Array, "B L"]:
     """`token_scale` as an array (ones when the method has none)."""
@@ -80,23 +101,25 @@ class Advantages:
 
   @staticmethod
   def from_leaf_values(
-      st: TreeStructure,
+      leaf_valid: Bool[Array, "B K"],
       leaf_adv: Float[Array, "B K"],
       leaf_mask: Bool[Array, "B K"] | None = None,
       **kw,
   ) -> "Advantages":
-    """Each leaf's advantage on every policy node of its path."""
-    return Advantages._on_paths(st, leaf_adv[:, None, :], leaf_mask, **kw)
+    """Each leaf's advantage on every policy node of its path (0 on untrained leaves)."""
+    mask = leaf_valid if leaf_mask is None else leaf_valid & leaf_mask
+    return Advantages(leaf_values=jnp.where(mask, leaf_adv, 0.0), leaf_mask=mask, **kw)
 
   @staticmethod
   def from_node_values(
-      st: TreeStructure,
+      leaf_valid: Bool[Array, "B K"],
       node_adv: Float[Array, "B N"],
       leaf_mask: Bool[Array, "B K"] | None = None,
       **kw,
   ) -> "Advantages":
     """One advantage per policy node, the same in every sequence through it."""
-    return Advantages._on_paths(st, node_adv[:, :, None], leaf_mask, **kw)
+    mask = leaf_valid if leaf_mask is None else leaf_valid & leaf_mask
+    return Advantages(node_values=node_adv, leaf_mask=mask, **kw)
 
 
 def check_choice(owner: str, name: str, value, valid) -> None:

@@ -68,9 +68,9 @@ def tree_grpo_advantages(batch: TreeBatch, config: TreeGRPOConfig) -> Advantages
   n = batch.parent.shape[1]
   intra = segment.segment_zscore(r, sub, n, st.leaf_valid, ddof=config.std_ddof,
                                  eps=config.std_eps)
-  inter = tree_zscore(r, st, ddof=config.std_ddof, eps=config.std_eps)
+  inter = tree_zscore(r, st.leaf_valid, ddof=config.std_ddof, eps=config.std_eps)
   return Advantages.from_leaf_values(
-      st, intra + inter, metrics=_group_metrics(r, st),
+      st.leaf_valid, intra + inter, metrics=_group_metrics(r, st.leaf_valid),
       extras={"intra": intra, "inter": inter})
 
 
@@ -120,9 +120,9 @@ def tree_rpo_advantages(batch: TreeBatch, config: TreeRPOConfig) -> Advantages:
                              eps=config.std_eps)
   head = _deepest_ancestor(st, branch_child)
   node_adv = jnp.where(head >= 0, jnp.take_along_axis(z, jnp.maximum(head, 0), axis=1), 0.0)
-  metrics = _group_metrics(r_leaf, st)
+  metrics = _group_metrics(r_leaf, st.leaf_valid)
   tree_ok = st.node_valid.any(-1)
   n_groups = (st.num_children >= 2).sum(-1)
   metrics["groups_per_tree"] = jnp.where(tree_ok, n_groups, 0).sum() / jnp.maximum(tree_ok.sum(), 1)
-  return Advantages.from_node_values(st, node_adv, metrics=metrics,
+  return Advantages.from_node_values(st.leaf_valid, node_adv, metrics=metrics,
                                      extras={"backed_up": r_node})

@@ -4,7 +4,9 @@ reverse discounted scan.
 Every reduction takes per-tree rows `values [B, X]`, integer `segment_ids
 [B, X]` in [0, G) and an optional boolean `mask [B, X]`, and returns `[B, G]`.
 Masked-out entries and negative ids (padding) are routed to an extra dump
-segment that is dropped, so `num_segments` stays static. Empty segments give
+segment that is dropped, so `num_segments` stays static. With one segment (a
+group that is the whole tree) the reductions are plain masked row reductions,
+with no scatter. Empty segments give
 0 for sums, counts, means and stds, and `fill` for max/min.
 
 The standard deviation takes `ddof` explicitly (0 = population, 1 = unbiased)
@@ -43,6 +45,8 @@ def segment_sum(
 ) -> Float[Array, "B G"]:
   ids, ok = _route(segment_ids, mask, num_segments)
   values = jnp.where(ok, values, 0)
+  if num_segments == 1:  # the whole row (a tree's leaves): a reduction, not a scatter
+    return values.sum(-1, keepdims=True)
   f = lambda v, i: jax.ops.segment_sum(v, i, num_segments=num_segments + 1)[:num_segments]
   return jax.vmap(f)(values, ids)
 
@@ -61,8 +65,21 @@ def segment_mean(values, segment_ids, num_segments, mask=None) -> Float[Array, "
   return s / jnp.maximum(c, 1.0)
 
 
+def row_moments(values: Float[Array, "B X"], ok: Bool[Array, "B X"], *, ddof: int):
+  """Mean and std ([B, 1] each) of each row's entries where `ok`, in the fewest passes (two:
+  the mean, then the squared deviations): the one-segment fast path of the mean, std and
+  z-score. The std is 0 where a row has <= ddof entries."""
+  c = ok.sum(-1, keepdims=True).astype(jnp.float32)
+  mean = jnp.where(ok, values, 0).sum(-1, keepdims=True) / jnp.maximum(c, 1.0)
+  dev = jnp.where(ok, values - mean, 0)
+  var = jnp.where(c > ddof, (dev * dev).sum(-1, keepdims=True) / jnp.maximum(c - ddof, 1.0), 0.0)
+  return mean, jnp.sqrt(var)
+
+
 def segment_std(values, segment_ids, num_segments, mask=None, *, ddof: int) -> Float[Array, "B G"]:
   """Two-pass standard deviation; 0 for groups with count <= ddof."""
+  if num_segments == 1:
+    return row_moments(values, _route(segment_ids, mask, 1)[1], ddof=ddof)[1]
   mean = segment_mean(values, segment_ids, num_segments, mask)
   dev = values - gather(mean, segment_ids)
   ss = segment_sum(dev * dev, segment_ids, num_segments, mask)
@@ -74,8 +91,11 @@ def segment_std(values, segment_ids, num_segments, mask=None, *, ddof: int) -> F
 def segment_max(values, segment_ids, num_segments, mask=None, fill=0.0) -> Float[Array, "B G"]:
   ids, ok = _route(segment_ids, mask, num_segments)
   values = jnp.where(ok, values, -jnp.inf)
-  f = lambda v, i: jax.ops.segment_max(v, i, num_segments=num_segments + 1)[:num_segments]
-  out = jax.vmap(f)(values, ids)
+  if num_segments == 1:
+    out = values.max(-1, keepdims=True)
+  else:
+    f = lambda v, i: jax.ops.segment_max(v, i, num_segments=num_segments + 1)[:num_segments]
+    out = jax.vmap(f)(values, ids)
   return jnp.where(jnp.isfinite(out), out, fill)
 
 
@@ -85,6 +105,8 @@ def segment_min(values, segment_ids, num_segments, mask=None, fill=0.0) -> Float
 
 def gather(per_segment: Float[Array, "B G"], segment_ids: Int[Array, "B X"]) -> Float[Array, "B X"]:
   """Broadcasts per-segment values back to elements (0 for negative ids)."""
+  if per_segment.shape[1] == 1:
+    return jnp.where(segment_ids >= 0, per_segment, 0)
   safe = jnp.clip(segment_ids, 0, per_segment.shape[1] - 1)
   out = jnp.take_along_axis(per_segment, safe, axis=1)
   return jnp.where(segment_ids >= 0, out, 0)
@@ -105,11 +127,15 @@ def segment_zscore(
   A group whose std is <= STD_FLOOR (all values equal, or a single member)
   gives exactly 0. `center_only=True` returns x - mean_g (Dr.GRPO).
   """
-  mean = gather(segment_mean(values, segment_ids, num_segments, mask), segment_ids)
-  std = gather(segment_std(values, segment_ids, num_segments, mask, ddof=ddof), segment_ids)
-  ok = segment_ids >= 0
-  if mask is not None:
-    ok = ok & mask
+  if num_segments == 1:
+    ok = _route(segment_ids, mask, 1)[1]
+    mean, std = row_moments(values, ok, ddof=ddof)
+  else:
+    mean = gather(segment_mean(values, segment_ids, num_segments, mask), segment_ids)
+    std = gather(segment_std(values, segment_ids, num_segments, mask, ddof=ddof), segment_ids)
+    ok = segment_ids >= 0
+    if mask is not None:
+      ok = ok & mask
   if center_only:
     z = values - mean
     # Same exact-zero rule for ties as the normalised form.
