@@ -10,22 +10,26 @@ jitted `update_step` on
 
   * tree:  one packed row per tree, every shared prefix stored once, tree
            attention;
-  * flat:  one row per root-to-leaf path (the prompt and every shared prefix
-           copied into each path), i.e. causal attention, padded to the
-           longest path as an ordinary trainer would.
+  * packed flat: the baseline, one segment per root-to-leaf path (the prompt and
+           every shared prefix copied into each path), paths packed first-fit
+           into rows as long as the longest path, causal attention inside each
+           path, as verl and AReaL pack sequences;
+  * padded flat: one row per path, padded to the longest path (a second line
+           only: no trainer pads like that).
 
-Either layout attends densely over rows of up to 512 tokens and blockwise
+Every layout attends densely over rows of up to 512 tokens and blockwise
 (visible key blocks only) over longer rows.
 
-Both layouts get identical initial parameters and identical GRPO advantages
+All layouts get identical initial parameters and identical GRPO advantages
 (computed once from the tree and passed in), so their first-step losses agree;
 that is printed as a check. Prints, per tree shape and model:
 
     RATIO tokens_flat_over_tree_<case> <flattened tokens / unique tokens>
-    RATIO step_time_flat_over_tree_<case> <flat step time / tree step time>
-    RATIO peak_memory_flat_over_tree_<case> <flat / tree compiled peak bytes>
+    RATIO step_time_flat_over_tree_<case> <packed flat step time / tree step time>
+    RATIO step_time_padded_flat_over_tree_<case> <padded flat step time / tree step time>
+    RATIO peak_memory_flat_over_tree_<case> <packed flat / tree compiled peak bytes>
 
-Step times are the best of --repeats runs after compilation, both layouts in
+Step times are the best of --repeats runs after compilation, all layouts in
 this process (the ratio is what is meaningful on a noisy machine). On CPU the
 defaults fit 8 minutes on 2 cores: SmolLM2 keeps 2 of its 30 layers and
 every node of its trees is cut to a quarter of its tokens (`shrink`), APPO
@@ -66,6 +70,7 @@ from tree_rl.algos.registry import Advantages, compute_advantages  # noqa: E402
 from tree_rl.models import Decoder, ModelConfig  # noqa: E402
 from tree_rl.models.attention import AttentionConfig, max_visible_blocks  # noqa: E402
 from tree_rl.tree import Buckets, RolloutTree, derived, pack  # noqa: E402
+from tree_rl.tree.batch import _policy_width  # noqa: E402
 
 DENSE_MAX = 512  # rows up to this many tokens use dense attention, longer ones blockwise
 PEAK_BF16_FLOPS = 989e12  # dense bf16 FLOP/s of an H100 SXM; an H200 has the same
@@ -150,13 +155,87 @@ def pack_rows(trees: list[RolloutTree], block: int):
   return pack(trees, Buckets(tokens=(length,), nodes=(), leaves=(), path_tokens=(), trees=None))
 
 
+def pack_flat_rows(chains: list[RolloutTree], block: int):
+  """The packed flat baseline: root-to-leaf paths placed first-fit (longest first) into rows
+  as long as the longest path, several paths per row, each its own causal segment.
+
+  This is sequence packing as verl and AReaL do it (no padding to the longest path per
+  path). A row is a forest: every path keeps its own root and positions, so a token sees
+  only its own path (the ancestor mask is block-diagonal causal, and blockwise attention
+  skips the blocks between paths). Only for this benchmark: the group estimators take a
+  row to be one tree, so advantages are passed in, not estimated on these rows.
+  """
+  one = pack(chains, Buckets.exact())
+  arr = {f: np.asarray(getattr(one, f)) for f in (
+      "tokens", "positions", "node_of_token", "loss_mask", "behavior_logp", "parent",
+      "node_kind", "step", "node_reward", "leaf_node", "leaf_reward", "leaf_tag",
+      "subtree_end", "node_tokens", "node_policy_tokens")}
+  n_tok = (arr["node_of_token"] >= 0).sum(1)
+  n_node = (arr["node_kind"] >= 0).sum(1)
+  longest = int(n_tok.max())
+  length = round_up(longest, block if longest > DENSE_MAX else 8)
+  rows: list[list[int]] = []
+  room: list[int] = []
+  for c in np.argsort(-n_tok, kind="stable"):
+    r = next((i for i, free in enumerate(room) if free >= n_tok[c]), len(rows))
+    if r == len(rows):
+      rows.append([])
+      room.append(length)
+    rows[r].append(int(c))
+    room[r] -= int(n_tok[c])
+  for row in rows:
+    row.sort()  # chain order inside a row, so leaves keep the chains' relative order
+  n_rows, n_nodes = len(rows), max(int(n_node[row].sum()) for row in rows)
+  k, c_ch = max(len(row) for row in rows), arr["node_reward"].shape[-1]
+  out = dict(
+      tokens=np.zeros((n_rows, length), np.int32), positions=np.zeros((n_rows, length), np.int32),
+      node_of_token=np.full((n_rows, length), -1, np.int32),
+      loss_mask=np.zeros((n_rows, length), bool),
+      behavior_logp=np.zeros((n_rows, length), np.float32),
+      parent=np.full((n_rows, n_nodes), -1, np.int32),
+      node_kind=np.full((n_rows, n_nodes), -1, np.int32),
+      step=np.zeros((n_rows, n_nodes), np.int32),
+      node_reward=np.zeros((n_rows, n_nodes, c_ch), np.float32),
+      leaf_node=np.full((n_rows, k), -1, np.int32),
+      leaf_reward=np.zeros((n_rows, k, c_ch), np.float32),
+      leaf_tag=np.zeros((n_rows, k), np.int32),
+      subtree_end=np.tile(np.arange(n_nodes, dtype=np.int32), (n_rows, 1)),
+      node_tokens=np.zeros((n_rows, n_nodes), np.int32),
+      node_policy_tokens=np.zeros((n_rows, n_nodes), np.int32))
+  order = []  # (row, leaf slot) of every chain, in chain order
+  for r, row in enumerate(rows):
+    o = q = 0
+    for j, c in enumerate(row):
+      t, n = int(n_tok[c]), int(n_node[c])
+      for f in ("tokens", "positions", "loss_mask", "behavior_logp"):
+        out[f][r, o:o + t] = arr[f][c, :t]
+      out["node_of_token"][r, o:o + t] = arr["node_of_token"][c, :t] + q
+      for f in ("node_kind", "step", "node_reward", "node_tokens", "node_policy_tokens"):
+        out[f][r, q:q + n] = arr[f][c, :n]
+      par = arr["parent"][c, :n]
+      out["parent"][r, q:q + n] = np.where(par >= 0, par + q, -1)
+      out["subtree_end"][r, q:q + n] = arr["subtree_end"][c, :n] + q
+      out["leaf_node"][r, j] = arr["leaf_node"][c, 0] + q
+      out["leaf_reward"][r, j] = arr["leaf_reward"][c, 0]
+      out["leaf_tag"][r, j] = arr["leaf_tag"][c, 0]
+      order.append((c, r, j))
+      o, q = o + t, q + n
+  batch = one.replace(**{f: jnp.asarray(v) for f, v in out.items()})
+  # The policy-only vocabulary projection, sized as pack() sizes it for the other layouts.
+  batch = dataclasses.replace(batch, max_loss_tokens=_policy_width(
+      int(out["loss_mask"].sum(1).max()), length, True))
+  slots = [(r, j) for _, r, j in sorted(order)]
+  return batch, slots
+
+
 def attention_for(batch, block: int) -> AttentionConfig:
   # Dense is the cheapest exact attention for short rows (a flattened path is
   # plain causal); past DENSE_MAX the [L, L] scores of a packed tree are
   # mostly cross-branch pairs that blockwise attention skips.
   if batch.tokens.shape[1] <= DENSE_MAX:
     return AttentionConfig("dense")
-  m = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), block)
+  m = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), block,
+                         np.asarray(batch.subtree_end))
   return AttentionConfig("blockwise", block, m)
 
 
@@ -169,16 +248,20 @@ def logprob_chunk(length: int) -> int:
   return max(c for c in range(8, min(length, 512) + 1, 8) if length % c == 0)
 
 
-def advantages_for_both(tree_batch, flat_batch) -> tuple[Advantages, Advantages]:
-  """GRPO over each tree's leaves, then each chain gets its leaf's value.
+def advantages_for_layouts(tree_batch, flat_batch, packed_batch, packed_slots):
+  """GRPO over each tree's leaves, then each path gets its leaf's value in both flat layouts.
 
   Passed to update_step explicitly: with the estimator run per layout, every
-  one-leaf chain would be its own GRPO group (advantage 0), and the two
-  losses could not be compared.
+  one-leaf chain would be its own GRPO group (advantage 0), and the losses could
+  not be compared.
   """
   tree_adv, leaf_adv, leaf_valid = _tree_side(tree_batch)
-  leaf_adv = jnp.asarray(np.asarray(leaf_adv)[np.asarray(leaf_valid)])  # = chain order
-  return tree_adv, _flat_side(flat_batch, leaf_adv)
+  per_chain = np.asarray(leaf_adv)[np.asarray(leaf_valid)]  # = chain order
+  packed = np.zeros(packed_batch.leaf_node.shape, np.float32)
+  for value, (r, j) in zip(per_chain, packed_slots):
+    packed[r, j] = value
+  return (tree_adv, _flat_side(flat_batch, jnp.asarray(per_chain)[:, None]),
+          _flat_side(packed_batch, jnp.asarray(packed)))
 
 
 # Jitted: run eagerly, the derived arrays and the estimator dispatch (and
@@ -198,8 +281,8 @@ def _tree_side(tree_batch):
 
 @jax.jit
 def _flat_side(flat_batch, leaf_adv) -> Advantages:
-  """leaf_adv: [P], one value per chain (flat row) in row order."""
-  return Advantages.from_leaf_values(flat_batch.leaf_node >= 0, leaf_adv[:, None])
+  """leaf_adv: [R, K], each row's paths' values in leaf-slot order."""
+  return Advantages.from_leaf_values(flat_batch.leaf_node >= 0, leaf_adv)
 
 
 # ----------------------------------------------------------------------------
@@ -271,19 +354,22 @@ def bench_case(name, trees, config, note, block, repeats):
   unique = sum(t.num_tokens() for t in trees)
   flat_tokens = sum(c.num_tokens() for c in chains)
   tree_batch, flat_batch = pack_rows(trees, block), pack_rows(chains, block)
-  tree_adv, flat_adv = advantages_for_both(tree_batch, flat_batch)
+  packed_batch, slots = pack_flat_rows(chains, block)
+  tree_adv, flat_adv, packed_adv = advantages_for_layouts(tree_batch, flat_batch, packed_batch,
+                                                          slots)
   print(f"# {name}: {len(trees)} trees, {len(chains)} paths, {config.num_hidden_layers} layers"
         f" ({config.num_params / 1e6:.1f}M params){note}", flush=True)
-  tree = run_layout(config, tree_batch, tree_adv, block, repeats)
-  flat = run_layout(config, flat_batch, flat_adv, block, repeats)
-  print(f"# {name}: tokens unique {unique}, flattened {flat_tokens}; padded"
-        f" tree {tuple(tree_batch.tokens.shape)} {describe(tree['attention'])} attention,"
-        f" flat {tuple(flat_batch.tokens.shape)} {describe(flat['attention'])}")
+  layouts = {"tree": (tree_batch, tree_adv), "packed flat": (packed_batch, packed_adv),
+             "padded flat": (flat_batch, flat_adv)}
+  res = {label: run_layout(config, b, a, block, repeats) for label, (b, a) in layouts.items()}
+  print(f"# {name}: tokens unique {unique}, flattened {flat_tokens}; rows x length:"
+        + ",".join(f" {label} {tuple(b.tokens.shape)} {describe(res[label]['attention'])}"
+                   for label, (b, _) in layouts.items()))
   # Shared prefixes are the early, cheap-to-attend positions, so attention
   # work shrinks by less than the token count does.
   print(f"# {name}: causal (query, key) pairs flat/tree"
         f" {pairs(flat_batch) / pairs(tree_batch):.2f}")
-  for label, r in (("tree", tree), ("flat", flat)):
+  for label, r in res.items():
     m = r["mem"]
     mem = ("memory_analysis unavailable" if m is None else
            f"peak {mib(m['peak'])} = args {mib(m['arg'])} + out {mib(m['out'])}"
@@ -291,12 +377,14 @@ def bench_case(name, trees, config, note, block, repeats):
     gpu = "" if r["gpu_peak"] is None else f"; device peak_bytes_in_use {mib(r['gpu_peak'])}"
     print(f"# {name} {label}: step {r['time'] * 1e3:.1f} ms (compile {r['compile']:.1f} s),"
           f" first loss {r['loss']:.6f}; {mem}{gpu}")
-  if tree["gpu_peak"] is not None:
+  if res["tree"]["gpu_peak"] is not None:
     print(f"# {name}: peak_bytes_in_use is a running maximum over the process (tree ran first)")
+  tree, packed, padded = res["tree"], res["packed flat"], res["padded flat"]
   print(f"RATIO tokens_flat_over_tree_{name} {flat_tokens / unique:.2f}")
-  print(f"RATIO step_time_flat_over_tree_{name} {flat['time'] / tree['time']:.2f}")
-  if tree["mem"] is not None and flat["mem"] is not None:
-    z = flat["mem"]["peak"] / tree["mem"]["peak"]
+  print(f"RATIO step_time_flat_over_tree_{name} {packed['time'] / tree['time']:.2f}")
+  print(f"RATIO step_time_padded_flat_over_tree_{name} {padded['time'] / tree['time']:.2f}")
+  if tree["mem"] is not None and packed["mem"] is not None:
+    z = packed["mem"]["peak"] / tree["mem"]["peak"]
     print(f"RATIO peak_memory_flat_over_tree_{name} {z:.2f}")
   sys.stdout.flush()
 

@@ -72,6 +72,11 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   if name == "trace":  # configs/trace.py's value head predictor trains every step
     assert all(np.isfinite(r["trace/predictor_loss"]) for r in steps)
   assert (tmp_path / "curves.png").stat().st_size > 0
+  # Where the run's time went, phase by phase (metrics.PhaseTimer.table).
+  phases = {line.split()[0]: line.split() for line in
+            (tmp_path / "phases.txt").read_text().splitlines()[1:]}
+  assert {"setup", "eval", "rollout", "pack", "checkpoint", "other", "wall"} <= set(phases)
+  assert int(phases["eval"][1]) >= 2 and float(phases["wall"][1]) > 0  # base, final (SFT) evals
   transcripts = (tmp_path / "eval_rl_transcripts.jsonl").read_text().splitlines()
   assert len(transcripts) == _config(name, arg).task.num_eval_tasks
   assert json.loads(transcripts[0])["episode"][0]["role"] == "assistant"

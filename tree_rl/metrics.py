@@ -81,10 +81,17 @@ class MetricWriter:
 
 
 class PhaseTimer:
-  """Accumulates wall time per phase: `with timer("rollout"): ...` -> time/rollout."""
+  """Accumulates wall time per phase: `with timer("rollout"): ...` -> time/rollout.
+
+  `pop()` hands over the totals since the last pop (a step's row); `run` keeps
+  [seconds, calls] per phase for the whole process, which `table()` prints at the end of a
+  run: where the time went, phase by phase.
+  """
 
   def __init__(self):
     self.totals: dict[str, float] = {}
+    self.run: dict[str, list] = {}
+    self.started = time.perf_counter()
 
   @contextlib.contextmanager
   def __call__(self, name: str) -> Iterator[None]:
@@ -92,12 +99,30 @@ class PhaseTimer:
     try:
       yield
     finally:
-      self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t
+      self.add(name, time.perf_counter() - t)
+
+  def add(self, name: str, seconds: float) -> None:
+    self.totals[name] = self.totals.get(name, 0.0) + seconds
+    tot = self.run.setdefault(name, [0.0, 0])
+    tot[0] += seconds
+    tot[1] += 1
 
   def pop(self) -> dict[str, float]:
     out = {f"time/{k}": v for k, v in self.totals.items()}
     self.totals = {}
     return out
+
+  def table(self) -> str:
+    """Seconds, calls and share of this process's wall time per phase, largest first; the
+    rest (start-up outside `setup`, logging, summaries) is `other`."""
+    wall = time.perf_counter() - self.started
+    rows = sorted(self.run.items(), key=lambda kv: -kv[1][0])
+    rows.append(("other", [wall - sum(v[0] for _, v in rows), 0]))
+    lines = [f"{'phase':<14} {'calls':>6} {'seconds':>9} {'share':>7}"]
+    lines += [f"{name:<14} {calls or '':>6} {sec:>9.1f} {sec / max(wall, 1e-9):>7.1%}"
+              for name, (sec, calls) in rows]
+    lines.append(f"{'wall':<14} {'':>6} {wall:>9.1f} {1:>7.1%}")
+    return "\n".join(lines)
 
 
 def summary_table(rows: Mapping[str, Mapping[str, float]], keys: list[str]) -> str:

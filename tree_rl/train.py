@@ -390,12 +390,13 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
                            default=str, ensure_ascii=False) + "\n")
     return m
 
+  timer.add("setup", time.perf_counter() - timer.started)  # config to policy and engines
   stop, pipeline = StopFlag(), None
   try:
     if "base" not in meta["eval"]:
       run_eval("base", 0)
       if not cfg.sft.steps:  # with SFT, its progress checkpoint at step 0 keeps the base eval
-        save_run(ckpt, 0, state, meta, method_state(strategy))
+        timed("checkpoint", save_run, ckpt, 0, state, meta, method_state(strategy))
 
     # ============================== SFT warm start ==============================
     if cfg.sft.steps and not meta["sft_done"]:
@@ -403,7 +404,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           samples_per_task=1, max_turns=r.max_turns or None,
           max_context_tokens=1 << 20, sampling=SamplingParams(max_new_tokens=1 << 14)))
       sft_opt = make_optimizer(cfg.sft.lr, cfg)
-      sft_state = sft_warm_start(
+      sft_state = timed("sft", sft_warm_start,
           cfg.sft, placement.place_state(state.replace(opt_state=sft_opt.init(state.params))),
           placement.sft_step(sft_opt, LOGPROB_CHUNK), fit, teacher, train_tasks,
           _buckets(placement.trees_bucket(1)), sft_progress, meta, writer, stop)
@@ -411,7 +412,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       sync_weights(state)
       meta["sft_done"] = True
       run_eval("sft", 0)
-      save_run(ckpt, 0, state, meta, method_state(strategy))  # supersedes SFT's progress
+      # Supersedes SFT's progress.
+      timed("checkpoint", save_run, ckpt, 0, state, meta, method_state(strategy))
       sft_progress.close()
       if primary:
         shutil.rmtree(sft_dir)
@@ -518,14 +520,14 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       writer.progress(step, done, f"reward {row['reward/outcome_mean']:+.3f}")
       saved = step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set
       if saved:
-        save_run(ckpt, step, state, meta, method)
+        timed("checkpoint", save_run, ckpt, step, state, meta, method)
       if stop.set:
         break
       try:
         periodic_eval(step)
       except Stopped:
         if not saved:
-          save_run(ckpt, step, state, meta, method)
+          timed("checkpoint", save_run, ckpt, step, state, meta, method)
         raise
 
     if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
@@ -545,6 +547,9 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   # ============================== Summary ==============================
   if primary:
     print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)
+    phases = timer.table()
+    print(phases, flush=True)
+    (workdir_path / "phases.txt").write_text(phases + "\n", encoding="utf-8")
     metrics_lib.plot_curves(writer.history, workdir_path / "curves.png",
                             ["reward/outcome_mean", "eval/accuracy"])
   return {"eval": meta["eval"], "steps": int(meta["step"]), "history": writer.history,
