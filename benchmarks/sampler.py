@@ -16,8 +16,13 @@ Model: SmolLM2-135M-Instruct in float32 (the folder of
       call of the same shapes, the engines taking turns on each batch (the
       machine may be shared); fresh prompts every batch, so neither engine
       reuses a cached prefix. vLLM runs in float32 with its CPU defaults here
-      (all cores but one). Needs vLLM (`$TREE_RL_VLLM_PYTHON`); without it a
-      line says so and the ratio is skipped.
+      (all cores but one). JaxSampler gets `--batch` cache rows, so the whole
+      batch decodes at once as in vLLM. Needs vLLM (`$TREE_RL_VLLM_PYTHON`);
+      without it a line says so and the ratio is skipped.
+  METRIC jax_prefill_tokens_per_s <p>
+      JaxSampler's prefill rate on the same kind of batch: prompt tokens over
+      the wall time of a `generate` with one new token per request (so one
+      decode step is included), best of `--reps` after a warm-up call.
   RATIO prefill_tokens_naive_over_forked <y>
       PORTool-shaped trees (Algorithm 1: n first steps; then every unfinished
       trajectory is copied f ways and n - n_done copies continue; T_max steps)
@@ -25,6 +30,13 @@ Model: SmolLM2-135M-Instruct in float32 (the folder of
       step. Naive: every request prefilled from scratch (the sum of context
       lengths). Forked: what JaxSampler ran, `GenerationResult.prefill_tokens`.
       With vLLM, its count on trees grown the same way follows as a comment.
+  RATIO tree_rollout_wall_vllm_over_jax <w>
+      Wall time to grow those trees with VLLMEngine (prefix caching on) over
+      the time with JaxSampler, each timed on a second growth after the
+      counting one above (the warm-up: JAX compiles its shape buckets there).
+      JaxSampler's timed run uses a fresh engine (empty row cache, same seed,
+      so the same shapes); vLLM keeps its cache, so it starts with the
+      prompt's blocks cached. Both wall times follow as comments.
   RATIO decode_tokens_per_s_over_bandwidth_bound <z>     (GPU, or --decode-bound)
       JaxSampler's decode rate at batch `--decode-batch` over the rate at
       which reading the parameters and the live KV once per step saturates the
@@ -94,6 +106,24 @@ def _batch(rng, args, vocab):
   params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new)
   return [GenerationRequest(tuple(int(t) for t in rng.integers(100, vocab, n)), params)
           for n in lengths]
+
+
+def _prefill_rate(engine, args, vocab) -> tuple[float, int, float]:
+  """(prompt tokens per second, tokens, seconds) of one-token generations, best of --reps."""
+  rng = np.random.default_rng(1)
+  one = lambda: [GenerationRequest(r.tokens, SamplingParams(temperature=1.0, max_new_tokens=1))
+                 for r in _batch(rng, args, vocab)]
+  engine.generate(one())  # compile / warm up
+  best = (0.0, 0, float("inf"))
+  for _ in range(args.reps):
+    reqs = one()
+    t0 = time.perf_counter()
+    res = engine.generate(reqs)
+    dt = time.perf_counter() - t0
+    n = sum(r.prefill_tokens for r in res)
+    if n / dt > best[0]:
+      best = (n / dt, n, dt)
+  return best
 
 
 def _throughput(engines: dict, args, vocab) -> dict[str, tuple[float, float]]:
@@ -282,6 +312,10 @@ def main():
     if vllm is not None:
       print(f"RATIO jax_over_vllm_tokens_per_s"
             f" {rates['JaxSampler'][0] / rates['VLLMEngine'][0]:.3f}")
+    jax_rate, n_pre, t_pre = _prefill_rate(engines["JaxSampler"], args, config.vocab_size)
+    print(f"# JaxSampler prefill: {n_pre} prompt tokens of {args.batch} requests in {t_pre:.2f}s"
+          f" [{_elapsed()}]")
+    print(f"METRIC jax_prefill_tokens_per_s {jax_rate:.1f}")
     del engines
 
     # --- PORTool trees: prefill with and without forking ---------------------
@@ -292,6 +326,10 @@ def main():
                    max_new=args.step_tokens, p_finish=args.p_finish, seed=0)
     jax_tree = JaxSampler(model, rows=rows, slots=tree_slots, eos_ids=eos, seed=0)
     naive, forked, nreq = grow_portool_trees(jax_tree, prompt, tokenizer, **tree_kw)
+    jax_tree = JaxSampler(model, rows=rows, slots=tree_slots, eos_ids=eos, seed=0)
+    t0 = time.perf_counter()
+    grow_portool_trees(jax_tree, prompt, tokenizer, **tree_kw)
+    jax_wall = time.perf_counter() - t0
     del jax_tree
     print(f"# PORTool trees ({args.trees} x n={args.n}, f={args.f}, T_max={args.t_max},"
           f" prompt {len(prompt)} tokens, steps <= {args.step_tokens} tokens): {nreq} requests,"
@@ -303,6 +341,13 @@ def main():
       print(f"# vLLM prefix caching on trees grown the same way: naive {naive_v}, vLLM"
             f" {cached_v} tokens ({naive_v / cached_v:.2f}x; it caches whole"
             f" {vllm.info['block_size']}-token blocks only) [{_elapsed()}]")
+      t0 = time.perf_counter()
+      grow_portool_trees(vllm, prompt, tokenizer, **tree_kw)
+      vllm_wall = time.perf_counter() - t0
+    print(f"# tree rollout wall (second growth): JaxSampler {jax_wall:.2f}s"
+          + (f", VLLMEngine {vllm_wall:.2f}s" if vllm is not None else "") + f" [{_elapsed()}]")
+    if vllm is not None:
+      print(f"RATIO tree_rollout_wall_vllm_over_jax {vllm_wall / jax_wall:.3f}")
   finally:
     if vllm is not None:
       vllm.close()

@@ -188,10 +188,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy(model):
 
 def test_one_compile_per_bucket(model):
   eng = JaxSampler(model, rows=4, slots=64, seed=6)
-  before = jax_sampler._run._cache_size()
+  sizes = lambda: (jax_sampler._admit_program._cache_size()
+                   + jax_sampler._decode_program._cache_size())
+  before = sizes()
   for seed in range(3):  # contexts of different lengths in one prefill bucket
     eng.generate([GenerationRequest(_ctx(20 + seed, 5 + seed), SamplingParams(max_new_tokens=8))])
-  assert jax_sampler._run._cache_size() - before <= 1
+  assert sizes() - before <= 2  # one admit and one decode program
 
 
 def test_bad_requests_fail_clearly(model):
@@ -216,3 +218,44 @@ def test_blockwise_cache_attention_equals_the_dense_form():
   blocked = cached_attention(q, kc, vc, slot, block=256)
   dense = cached_attention(q, kc, vc, slot, block=4096)  # s_len <= block: the dense path
   np.testing.assert_allclose(np.asarray(blocked), np.asarray(dense), atol=1e-5)
+
+
+def test_lora_is_merged_once_and_samples_the_unmerged_policy():
+  from tree_rl.models import LoRAConfig
+  from tree_rl.models.decoder import LoRAParam
+
+  lora = Decoder(CFG, rngs=nnx.Rngs(3), lora=LoRAConfig(rank=4, alpha=8.0))
+  nnx.update(lora, nnx.state(_lively(0), nnx.Param))  # lively base weights
+  # Nonzero B: a fresh adapter is the identity, which would make the test vacuous.
+  graphdef, adapters, rest = nnx.split(lora, LoRAParam, ...)
+  adapters = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(jax.random.key(1), x.shape),
+                          adapters)
+  lora = nnx.merge(graphdef, adapters, rest)
+  eng = JaxSampler(lora, rows=4, slots=64, seed=4)
+  # The sampler runs LoRA-free weights: the adapters are folded into the kernels.
+  assert not any("lora" in name for layer in eng.weights.layers for name in layer)
+  ctx = _ctx(13)
+  (r,) = eng.generate([GenerationRequest(ctx, SamplingParams(max_new_tokens=10))])
+  lp, ent = _policy_logprobs(lora, ctx, r.tokens)  # the unmerged model's forward
+  np.testing.assert_allclose(r.logprobs, lp, atol=1e-4)
+  np.testing.assert_allclose(r.entropies, ent, atol=1e-4)
+  base_lp, _ = _policy_logprobs(_lively(0), ctx, r.tokens)
+  assert np.abs(np.asarray(r.logprobs) - base_lp).max() > 1e-2  # the adapters matter
+  # A weight push of the LoRA state (as the trainer sends) is merged the same way.
+  eng.update_weights(nnx.state(lora))
+  (again,) = eng.generate([GenerationRequest(ctx, SamplingParams(max_new_tokens=10))])
+  np.testing.assert_allclose(_policy_logprobs(lora, ctx, again.tokens)[0], again.logprobs,
+                             atol=1e-4)
+
+
+def test_more_requests_than_rows_stream_through_freed_rows(model):
+  # Two rows, five requests with different budgets: a row that finishes takes the
+  # next waiting request (continuous batching) and every result is still exact.
+  eng = JaxSampler(model, rows=2, slots=64)
+  ctxs = [_ctx(30 + i, 5 + i) for i in range(5)]
+  budgets = [3, 8, 2, 6, 4]
+  res = eng.generate([GenerationRequest(c, SamplingParams(temperature=0.0, max_new_tokens=n))
+                      for c, n in zip(ctxs, budgets)])
+  for c, n, r in zip(ctxs, budgets, res):
+    assert r.tokens == _argmax_decode(model, c, n) and r.finish_reason == "length"
+  assert eng.stats["generated_tokens"] == sum(budgets)

@@ -346,30 +346,28 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
 
 
 def cached_attention(
-    q: Float[Array, "R T H Dh"], k_cache: Float[Array, "*Ly R S Hk Dh"],
-    v_cache: Float[Array, "*Ly R S Hk Dh"], q_slot: Int[Array, "R T"], block: int = 256,
-    layer: Int[Array, ""] | None = None,
-) -> Float[Array, "R T H Dh"]:
+    q: Float[Array, "W T H Dh"], k_cache: Float[Array, "R S Hk Dh"],
+    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "W T"], block: int = 256,
+    rows: Int[Array, "W"] | None = None,
+) -> Float[Array, "W T H Dh"]:
   """Attention of new tokens over a per-row KV cache (the sampler's path).
 
-  Row r holds one linear context in cache slots 0..; the query at slot
-  `q_slot[r, t]` sees slots 0..q_slot[r, t] (its own key included, which the
-  caller wrote before calling). Keys are visited in blocks of `block` slots with
-  an online softmax, and only up to the highest query slot: the loop's trip
-  count is dynamic, so a decode step costs O(context length), not O(S).
-
-  With `layer`, the caches hold every layer (`[Ly, R, S, Hk, Dh]`) and layer
-  `layer`'s blocks are read straight from them: slicing the layer out first
-  would copy all S slots of it on every decode step.
+  Work row w reads cache row rows[w] (row w without `rows`), which holds one
+  linear context in slots 0..; the query at slot `q_slot[w, t]` sees slots
+  0..q_slot[w, t] (its own key included, which the caller wrote before
+  calling). Keys are visited in blocks of `block` slots with an online softmax,
+  and only up to the highest query slot: the loop's trip count is dynamic, so
+  a decode step costs O(context length), not O(S). Each block is gathered
+  straight from the cache rows, so no row is copied whole.
   """
-  r, t, h, d = q.shape
+  w, t, h, d = q.shape
   s_len, hk = k_cache.shape[-3], k_cache.shape[-2]
   qg = _grouped(q, hk)
   scale = 1.0 / math.sqrt(d)
   if s_len % block or s_len <= block:
-    if layer is not None:
-      k_cache, v_cache = k_cache[layer], v_cache[layer]
-    mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [R, T, S]
+    if rows is not None:
+      k_cache, v_cache = k_cache[rows], v_cache[rows]
+    mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [W, T, S]
     sc = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache.astype(q.dtype),
                     preferred_element_type=jnp.float32)
     sc = jnp.where(mask[:, None, None], sc * scale, _NEG)
@@ -379,18 +377,16 @@ def cached_attention(
 
   g = h // hk
 
-  def take(cache, j):  # slots j*block .. (j+1)*block - 1 of every row: [R, block, Hk, Dh]
-    if layer is None:
-      return lax.dynamic_slice_in_dim(cache, j * block, block, axis=1)
-    zero = jnp.zeros((), jnp.int32)
-    return lax.dynamic_slice(cache, (layer, zero, j * block, zero, zero),
-                             (1, r, block, hk, d))[0].astype(q.dtype)
+  def take(cache, j):  # slots j*block .. (j+1)*block - 1 of every work row: [W, block, Hk, Dh]
+    if rows is None:
+      return lax.dynamic_slice_in_dim(cache, j * block, block, axis=1).astype(q.dtype)
+    return cache[rows[:, None], (j * block + jnp.arange(block))[None, :]].astype(q.dtype)
 
   def body(j, carry):
     m, l, acc = carry
     kb, vb = take(k_cache, j), take(v_cache, j)
     sc = jnp.einsum("rtkgd,rskd->rkgts", qg, kb, preferred_element_type=jnp.float32) * scale
-    mask = (j * block + jnp.arange(block))[None, None, :] <= q_slot[:, :, None]  # [R, T, blk]
+    mask = (j * block + jnp.arange(block))[None, None, :] <= q_slot[:, :, None]  # [W, T, blk]
     sc = jnp.where(mask[:, None, None], sc, _NEG)
     m_new = jnp.maximum(m, sc.max(-1))
     p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
@@ -402,8 +398,8 @@ def cached_attention(
     return m_new, l, acc
 
   n_blocks = (jnp.max(q_slot) + block) // block  # blocks holding slots 0..max(q_slot)
-  init = (jnp.full((r, hk, g, t), _NEG, jnp.float32), jnp.zeros((r, hk, g, t), jnp.float32),
-          jnp.zeros((r, t, hk, g, d), jnp.float32))
+  init = (jnp.full((w, hk, g, t), _NEG, jnp.float32), jnp.zeros((w, hk, g, t), jnp.float32),
+          jnp.zeros((w, t, hk, g, d), jnp.float32))
   _, l, acc = lax.fori_loop(0, jnp.minimum(n_blocks, s_len // block), body, init)
   out = acc / jnp.maximum(jnp.moveaxis(l, -1, 1), 1e-30)[..., None]
   return out.reshape(q.shape).astype(q.dtype)

@@ -4,6 +4,10 @@ Layer parameters are stacked along a leading layer axis and the layers run as
 one `lax.scan`: a 30-layer model compiles as fast as a 1-layer one, which
 matters for CPU runs and for the one-compile-per-bucket rule. Every parameter
 carries `logical_axes` metadata that `tree_rl.sharding` maps onto the mesh.
+Sampling is the exception (`CachedDecoder`): there the weights are LoRA-merged
+and split per layer (`sampling_weights`) and the layers run unrolled over a
+per-layer KV cache, since a decode step is dominated by memory traffic and the
+scan re-copied each layer's weights and the stacked cache on every token.
 
 Conventions match Hugging Face so weights convert by a name table
 (`tree_rl.models.hf_io`): kernels are stored `[in, out]` (HF's transposed),
@@ -14,6 +18,8 @@ down(act(gate(h)) * up(h)) with transformers' `hidden_act` functions.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,34 +29,56 @@ from jax import lax
 
 from tree_rl.models.attention import AttentionConfig, TreeMask, attention, cached_attention
 from tree_rl.models.config import LoRAConfig, ModelConfig
-from tree_rl.tree.types import Array, Float, Int
+from tree_rl.tree.types import Array, Bool, Float, Int
 
 
 @flax.struct.dataclass
 class KVCache:
-  """Keys and values of every layer for R rows of up to S slots (the sampler's state).
+  """Keys and values of R rows of up to S slots, one array per layer (the sampler's state).
 
   Row r holds one linear context: slot s has the key/value of its token at
   position s. Which rows hold what is the sampler's bookkeeping, not the cache's.
+  One buffer per layer rather than one stacked `[Ly, ...]` array: a decode step
+  then updates every layer's buffer in place, where a stacked cache carried
+  through the layer scan was rewritten layer by layer (most of a step's time).
   """
 
-  k: Float[Array, "Ly R S Hk Dh"]
-  v: Float[Array, "Ly R S Hk Dh"]
+  k: tuple[Float[Array, "R S Hk Dh"], ...]
+  v: tuple[Float[Array, "R S Hk Dh"], ...]
 
   @staticmethod
   def zeros(config: ModelConfig, rows: int, slots: int, dtype=None) -> "KVCache":
     c = config
-    shape = (c.num_hidden_layers, rows, slots, c.num_key_value_heads, c.head_dim)
+    shape = (rows, slots, c.num_key_value_heads, c.head_dim)
     dt = jnp.dtype(dtype or c.dtype)
-    return KVCache(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+    n = c.num_hidden_layers
+    return KVCache(tuple(jnp.zeros(shape, dt) for _ in range(n)),
+                   tuple(jnp.zeros(shape, dt) for _ in range(n)))
 
   @property
   def rows(self) -> int:
-    return self.k.shape[1]
+    return self.k[0].shape[0]
 
   @property
   def slots(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
+
+
+@flax.struct.dataclass
+class SamplingWeights:
+  """A Decoder's weights laid out for token-by-token sampling (`Decoder.sampling_weights`).
+
+  LoRA is merged into the base kernels (sampling would otherwise pay the
+  adapters' two extra matmuls per projection on every token), and the layer
+  stack is split into one dict per layer: the layers then run unrolled, each
+  reading its own buffers, where slicing a stacked array inside a layer scan
+  copies every layer's weights on every decode step.
+  """
+
+  embed: Float[Array, "V D"]
+  head: Float[Array, "V D"]  # the LM head as [vocab, embed] (the embedding itself when tied)
+  final_norm: Float[Array, "D"]
+  layers: tuple[dict[str, Array], ...]
 
 
 class LoRAParam(nnx.Param):
@@ -239,39 +267,24 @@ class Decoder(nnx.Module):
     x, _ = lax.scan(body, x, self._layer_weights())
     return rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps)
 
-  def extend(self, tokens: Int[Array, "R T"], start: Int[Array, "R"], cache: KVCache
-             ) -> tuple[Float[Array, "R T D"], KVCache]:
-    """Run `tokens` on top of each row's cached context (prefill and decode).
+  def sampling_weights(self) -> SamplingWeights:
+    """This model's weights for `CachedDecoder`: LoRA merged (W + scale A B), layers split."""
+    stacked = {name: getattr(self, name).get_value() for name in self.layer_names}
+    for name in self.lora_names:
+      a = getattr(self, f"{name}_lora_a").get_value()
+      b = getattr(self, f"{name}_lora_b").get_value()
+      merged = stacked[name] + self.lora.scale * jnp.einsum(
+          "lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+      stacked[name] = merged.astype(stacked[name].dtype)
+    layers = tuple({k: v[i] for k, v in stacked.items()}
+                   for i in range(self.config.num_hidden_layers))
+    head = self.embed.get_value() if self.config.tie_word_embeddings else self.lm_head.get_value().T
+    return SamplingWeights(embed=self.embed.get_value(), head=jnp.asarray(head),
+                           final_norm=self.final_norm.get_value(), layers=layers)
 
-    Row r's tokens go to cache slots start[r] .. start[r] + T - 1, which are
-    also their RoPE positions; each attends to slots 0 .. its own. Trailing
-    padding tokens of a row write slots past its true length; they are
-    overwritten before any real token can see them (a later token at slot p
-    first writes slot p). Writes past the last slot are dropped: callers keep
-    real tokens inside the cache.
-
-    Returns:
-      final hidden states `[R, T, D]` and the updated cache.
-    """
-    dt = jnp.dtype(self.config.dtype)
-    r, t = tokens.shape
-    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
-    rows = jnp.arange(r)[:, None]
-    x = jnp.take(self.embed.get_value(), jnp.maximum(tokens, 0), axis=0).astype(dt)
-
-    # The cache rides in the scan carry (updated in place layer by layer),
-    # not in xs/ys, so XLA does not rebuild it per layer.
-    def body(carry, w):
-      x, kc, vc, i = carry
-      q, k, v = self._qkv(x, w, slots)
-      kc = kc.at[i, rows, slots].set(k.astype(kc.dtype), mode="drop")
-      vc = vc.at[i, rows, slots].set(v.astype(vc.dtype), mode="drop")
-      a = cached_attention(q, kc, vc, slots, layer=i)
-      return (self._finish(x, a, w), kc, vc, i + 1), None
-
-    (x, kc, vc, _), _ = lax.scan(body, (x, cache.k, cache.v, 0), self._layer_weights())
-    h = rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps)
-    return h, KVCache(kc, vc)
+  def cached(self) -> "CachedDecoder":
+    """The model's structure for cached sampling (weights come from `sampling_weights`)."""
+    return CachedDecoder(self.config, self.inv_freq)
 
   def head(self) -> Float[Array, "D V"]:
     if self.config.tie_word_embeddings:
@@ -285,3 +298,61 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens, positions, tree: TreeMask) -> Float[Array, "B L V"]:
     return self.logits(tokens, positions, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedDecoder:
+  """`Decoder`'s math over a per-row KV cache, for sampling: weights are passed in.
+
+  Hashable and weightless, so a jitted sampler takes it as a static argument
+  and the weights (`SamplingWeights`, LoRA merged) as arrays. The projections,
+  norms, RoPE and MLP are Decoder's own methods, so both paths compute the same
+  function.
+  """
+
+  config: ModelConfig
+  inv_freq: tuple[float, ...]
+  # Cache slots per attention block. Small blocks keep the work at the live context:
+  # on XLA CPU a whole-window (256-slot) dense read cost ~3x a 64-slot blockwise one
+  # per decode step, even at 16 rows; 32 measured best of 32-128.
+  attn_block: int = 32
+  lora = None  # merged into the weights
+  _proj = Decoder._proj
+  _qkv = Decoder._qkv
+  _finish = Decoder._finish
+
+  def extend(self, weights: SamplingWeights, tokens: Int[Array, "W T"], start: Int[Array, "W"],
+             rows: Int[Array, "W"], write: Bool[Array, "W T"], cache: KVCache
+             ) -> tuple[Float[Array, "W T D"], KVCache]:
+    """Run `tokens` on top of cache rows `rows`' contexts, in place (prefill and decode).
+
+    Work row w's tokens go to slots start[w] .. start[w] + T - 1 of cache row
+    rows[w], which are also their RoPE positions; each attends to slots 0 ..
+    its own of that row. Only tokens with `write` store their key/value (the
+    others, padding or finished rows, are dropped, as are writes past the last
+    slot), so a call touches exactly its rows' new slots and nothing else.
+    The layers run unrolled over per-layer weights and cache buffers, so the
+    updates stay in place when the cache is donated.
+
+    Returns:
+      final hidden states `[W, T, D]` and the updated cache.
+    """
+    c = self.config
+    dt = jnp.dtype(c.dtype)
+    t = tokens.shape[1]
+    slots = start[:, None] + jnp.arange(t, dtype=start.dtype)[None, :]
+    to = jnp.where(write, rows[:, None], cache.rows)  # row R: out of range, dropped
+    x = jnp.take(weights.embed, jnp.maximum(tokens, 0), axis=0).astype(dt)
+    ks, vs = [], []
+    for i, w in enumerate(weights.layers):
+      q, k, v = self._qkv(x, w, slots)
+      kc = cache.k[i].at[to, slots].set(k.astype(cache.k[i].dtype), mode="drop")
+      vc = cache.v[i].at[to, slots].set(v.astype(cache.v[i].dtype), mode="drop")
+      x = self._finish(x, cached_attention(q, kc, vc, slots, self.attn_block, rows), w)
+      ks.append(kc)
+      vs.append(vc)
+    return rms_norm(x, weights.final_norm, c.rms_norm_eps), KVCache(tuple(ks), tuple(vs))
+
+  def logits(self, weights: SamplingWeights, h: Float[Array, "W D"]) -> Float[Array, "W V"]:
+    return jnp.einsum("wd,vd->wv", h, weights.head.astype(h.dtype),
+                      preferred_element_type=jnp.float32)

@@ -1,24 +1,34 @@
-"""The embedded JAX sampler: batched prefill + decode in one jitted program, with a row cache.
+"""The embedded JAX sampler: continuous batching over a persistent row cache, in place.
 
-Device side, one program per shape bucket (work rows W, slots S, prefill length
-T, decode bound M, stop-sequence table) does, for the call's W rows at once (W:
-the number of requests rounded up to a power of two, at most the cache's rows,
-so a call with 2 requests costs 2 rows of work, not the whole cache):
+A `generate` call runs W work slots (W: the number of requests rounded up to a
+power of two, at most the cache's rows) through two jitted programs that both
+take the KV cache donated and index it by row, so nothing but the slots a call
+needs is read, copied or written:
 
-  1. gather rows of the KV cache (`src_rows`): a request starts from the cached
-     row that shares its longest prefix (possibly another request's row),
-  2. prefill each lead row's uncached suffix (`Decoder.extend`),
-  3. gather again (`fork_src`): k requests with the same context copy the lead
-     row's KV after its prefill, so a shared context is prefilled once,
-  4. decode in a `lax.while_loop` over a typed `SamplerState` until every row
-     has hit EOS, a stop sequence, its token budget or the end of the cache,
-  5. scatter the W work rows back into their cache rows (`rows`).
+  * admit: A waiting requests take free slots. Each is given a cache row (the
+    row sharing its longest prefix when nothing of that row is lost, else the
+    least recently used idle row); a request starting from another row's prefix
+    copies only the kept slots of it (`_copy_slots`, block by block up to the
+    kept length), then the lead of each group of identical contexts prefills its
+    uncached suffix (`CachedDecoder.extend`, in chunks) and the others copy the
+    lead's context slots and next-token logits, so a shared context is
+    prefilled once.
+  * decode: a `lax.while_loop` samples a token for every live slot and feeds it
+    (so its KV is cached for the next turn or branch) until every slot is done,
+    or, when requests are waiting, until some slot is done: the host then reads
+    the finished slots' tokens, admits waiting requests into them, and decoding
+    goes on (continuous batching: no finished row idles until the slowest ends,
+    and more requests than rows run as one stream, not chunk after chunk).
 
+Each slot carries its own request's state (step, length, sampling knobs, key),
+so a request samples the same tokens whichever slot, batch or admission it gets.
 Values that change between calls (lengths, sampling knobs, stop tables) are
-arrays, so they do not recompile; the cache is donated. Host side, `JaxSampler`
-keeps, for every row, the tokens whose KV it holds, picks sources and
-destinations (longest common prefix, least recently used), and applies stop
-*strings* on the decoded text (a model may spell "</tool_call>" with other
+arrays, so programs compile once per shape bucket (W, A, prefill length, decode
+bound, stop table). The weights are `Decoder.sampling_weights()`: LoRA merged
+and layers unrolled over per-layer buffers (a stacked layer scan re-copied the
+weights and the cache on every token). Host side, `JaxSampler` keeps, for every
+row, the tokens whose KV it holds, picks sources and destinations, and applies
+stop *strings* on the decoded text (a model may spell "</tool_call>" with other
 tokens than the stop table's).
 
 One token is recomputed per reused prefix: a request whose whole context is
@@ -27,6 +37,7 @@ cached still runs its last context token, to get the next-token distribution.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -40,7 +51,7 @@ from flax import nnx
 from jax import lax
 from jaxtyping import UInt
 
-from tree_rl.models.decoder import Decoder, KVCache
+from tree_rl.models.decoder import CachedDecoder, Decoder, KVCache, SamplingWeights
 from tree_rl.rollout.engine import GenerationRequest, GenerationResult
 from tree_rl.tree.types import Array, Bool, Float, Int
 
@@ -49,46 +60,56 @@ _NEG_INF = -jnp.inf
 
 
 @flax.struct.dataclass
-class SamplerInputs:
-  """Per-call arrays (W work rows; T prefill tokens; NS stop sequences of up to MS tokens).
+class Admission:
+  """A requests entering free work slots, P of them leads that prefill T tokens.
 
-  A call works on W of the cache's rows (the requests' rows, W a power of two),
-  so its prefill and decode cost scales with the requests, not the cache.
+  A and P are powers of two. Padding entries have slot W and row R (out of
+  range), so every write of theirs is dropped. Only the leads of identical
+  contexts prefill (P rows of prefill work, not A): the others copy a lead.
   """
 
-  rows: Int[Array, "W"]  # the cache rows this call writes (distinct)
-  src_rows: Int[Array, "W"]  # work row w starts as a copy of cache row src_rows[w]
-  keep_len: Int[Array, "W"]  # cached tokens kept in work row w (its prefill starts there)
-  new_tokens: Int[Array, "W T"]  # suffix to prefill (lead rows), padded
-  new_len: Int[Array, "W"]
-  fork_src: Int[Array, "W"]  # after prefill, work row w copies work row fork_src[w]
-  active: Bool[Array, "W"]  # rows that generate in this call
-  temperature: Float[Array, "W"]
-  top_p: Float[Array, "W"]
-  top_k: Int[Array, "W"]
-  max_new: Int[Array, "W"]
-  stop_seqs: Int[Array, "NS MS"]  # right-aligned token sequences, -1 padded on the left
-  stop_use: Bool[Array, "W NS"]
-  # Row w's sampling identity, folded into the stream key: (1, seed >> 32, seed mod 2**32)
-  # for a seeded request, (0, device call count, w) otherwise (`GenerationRequest.seed`).
-  seeds: UInt[Array, "W 3"]
+  slot: Int[Array, "A"]  # the work slot each request takes
+  row: Int[Array, "A"]  # its cache row (distinct, idle)
+  src_row: Int[Array, "A"]  # slots [0, copy_len) are copied from this row first
+  copy_len: Int[Array, "A"]
+  ctx_len: Int[Array, "A"]
+  lead: Int[Array, "A"]  # the prefill entry (index into P) whose logits this request takes
+  lead_row: Int[Array, "A"]  # after prefill, slots [0, fork_len) are copied from this row
+  fork_len: Int[Array, "A"]  # 0 for leads
+  p_row: Int[Array, "P"]  # cache row of each prefill entry (R for padding)
+  keep_len: Int[Array, "P"]  # cached tokens kept (the prefill starts there)
+  new_tokens: Int[Array, "P T"]  # suffix to prefill, padded
+  new_len: Int[Array, "P"]
+  temperature: Float[Array, "A"]
+  top_p: Float[Array, "A"]
+  top_k: Int[Array, "A"]
+  max_new: Int[Array, "A"]
+  stop_use: Bool[Array, "A NS"]
+  # Entry a's sampling identity, folded into the stream key: (1, seed >> 32, seed mod 2**32)
+  # for a seeded request, (0, generate call count, request index) otherwise.
+  seeds: UInt[Array, "A 3"]
 
 
 @flax.struct.dataclass
 class SamplerState:
-  """The decode loop's carry."""
+  """The W work slots (the decode loop's carry, kept on device between programs)."""
 
-  step: Int[Array, ""]
-  done: Bool[Array, "R"]
-  reason: Int[Array, "R"]  # index into _REASONS
-  length: Int[Array, "R"]  # tokens with KV in the row
-  logits: Float[Array, "R V"]  # next-token logits
-  window: Int[Array, "R MS"]  # last MS sampled tokens, for stop sequences
-  tokens: Int[Array, "R M"]
-  logprobs: Float[Array, "R M"]
-  entropies: Float[Array, "R M"]
-  cache: KVCache
-  rng: Array  # [R] typed keys: row r's stream; decode step t samples with fold_in(rng[r], t)
+  row: Int[Array, "W"]  # cache row of the slot's request
+  done: Bool[Array, "W"]  # finished, or free
+  reason: Int[Array, "W"]  # index into _REASONS
+  length: Int[Array, "W"]  # tokens with KV in the row
+  t: Int[Array, "W"]  # tokens generated so far: decode step t samples with fold_in(key, t)
+  logits: Float[Array, "W V"]  # next-token logits
+  window: Int[Array, "W MS"]  # last MS sampled tokens, for stop sequences
+  tokens: Int[Array, "W M"]
+  logprobs: Float[Array, "W M"]
+  entropies: Float[Array, "W M"]
+  keys: Array  # [W] typed keys: the slot's request's stream
+  temperature: Float[Array, "W"]
+  top_p: Float[Array, "W"]
+  top_k: Int[Array, "W"]
+  max_new: Int[Array, "W"]
+  stop_use: Bool[Array, "W NS"]
 
 
 def row_keys(key: Array, seeds: UInt[Array, "R 3"]) -> Array:
@@ -134,82 +155,66 @@ def sample_tokens(logits: Float[Array, "R V"], keys: Array, temperature: Float[A
   return tok, lp, ent
 
 
+def _copy_slots(cache: KVCache, src: Int[Array, "A"], dst: Int[Array, "A"],
+                n: Int[Array, "A"], block: int) -> KVCache:
+  """Copy slots [0, n[a]) of cache row src[a] to row dst[a], in every layer, in place.
+
+  Block by block up to max(n): only the kept prefix moves, never whole rows.
+  Each block is read from every source before it is written, so a row may be
+  one entry's source and another's destination.
+  """
+  r, s_len = cache.rows, cache.slots
+  block = min(block, s_len)
+
+  def body(j, kv):
+    ks, vs = kv
+    sl = (j * block + jnp.arange(block))[None, :]
+    to = jnp.where(sl < n[:, None], dst[:, None], r)  # row R: dropped
+    copy = lambda c: c.at[to, sl].set(c[src[:, None], jnp.minimum(sl, s_len - 1)], mode="drop")
+    return tuple(map(copy, ks)), tuple(map(copy, vs))
+
+  n_blocks = (jnp.max(n) + block - 1) // block
+  return KVCache(*lax.fori_loop(0, n_blocks, body, (cache.k, cache.v)))
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerLoop:
-  """The static half of the program: model structure, decode bound, EOS ids."""
+  """The static half of the programs: model structure, decode bound, EOS ids."""
 
-  graphdef: Any
+  model: CachedDecoder
   max_new_tokens: int
   eos_ids: tuple[int, ...]
-  prefill_chunk: int = 256
+  prefill_chunk: int = 128  # prefill lengths past it are bucketed to multiples of it
+  copy_block: int = 64
 
-  def run(self, params, cache: KVCache, inp: SamplerInputs, rng: Array) -> SamplerState:
-    model: Decoder = nnx.merge(self.graphdef, params)
-    full_cache = cache
-    r, s_len = inp.src_rows.shape[0], cache.slots
-    head = model.head()
-    # 1-2: start from the best cached row, prefill the uncached suffix.
-    cache = KVCache(cache.k[:, inp.src_rows], cache.v[:, inp.src_rows])
-    last, cache = self._prefill(model, cache, inp)
-    logits = jnp.einsum("rd,dv->rv", last, head.astype(last.dtype),
-                        preferred_element_type=jnp.float32)
-    # 3: branches copy their lead row (KV and next-token logits).
-    cache = KVCache(cache.k[:, inp.fork_src], cache.v[:, inp.fork_src])
-    logits = logits[inp.fork_src]
-    length = (inp.keep_len + inp.new_len)[inp.fork_src]
-    m, ms = self.max_new_tokens, inp.stop_seqs.shape[1]
-    state = SamplerState(
-        step=jnp.zeros((), jnp.int32), done=~inp.active,
-        reason=jnp.zeros((r,), jnp.int32), length=length, logits=logits,
-        window=jnp.full((r, ms), -2, jnp.int32), tokens=jnp.full((r, m), -1, jnp.int32),
-        logprobs=jnp.zeros((r, m), jnp.float32), entropies=jnp.zeros((r, m), jnp.float32),
-        cache=cache, rng=row_keys(rng, inp.seeds))
-    eos = jnp.asarray(self.eos_ids if self.eos_ids else (-3,), jnp.int32)
+  def admit(self, weights: SamplingWeights, cache: KVCache, st: SamplerState, adm: Admission,
+            rng: Array) -> tuple[KVCache, SamplerState]:
+    cache = _copy_slots(cache, adm.src_row, adm.row, adm.copy_len, self.copy_block)
+    last, cache = self._prefill(weights, cache, adm)
+    logits = self.model.logits(weights, last)
+    # Forks copy their lead's context (KV and next-token logits).
+    cache = _copy_slots(cache, adm.lead_row, adm.row, adm.fork_len, self.copy_block)
+    put = lambda buf, x: buf.at[adm.slot].set(x, mode="drop")
+    st = SamplerState(
+        row=put(st.row, adm.row), done=put(st.done, False), reason=put(st.reason, 0),
+        length=put(st.length, adm.ctx_len), t=put(st.t, 0),
+        logits=put(st.logits, logits[adm.lead]), window=put(st.window, -2),
+        tokens=put(st.tokens, -1), logprobs=put(st.logprobs, 0.0),
+        entropies=put(st.entropies, 0.0), keys=put(st.keys, row_keys(rng, adm.seeds)),
+        temperature=put(st.temperature, adm.temperature), top_p=put(st.top_p, adm.top_p),
+        top_k=put(st.top_k, adm.top_k), max_new=put(st.max_new, adm.max_new),
+        stop_use=put(st.stop_use, adm.stop_use))
+    return cache, st
 
-    def cond(st: SamplerState):
-      return (st.step < m) & ~jnp.all(st.done)
+  def _prefill(self, weights: SamplingWeights, cache: KVCache, adm: Admission):
+    """Runs the suffixes in chunks of `prefill_chunk` tokens; returns each entry's last hidden.
 
-    def body(st: SamplerState) -> SamplerState:
-      keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(st.rng, st.step)
-      tok, lp, ent = sample_tokens(st.logits, keys, inp.temperature, inp.top_p, inp.top_k)
-      live = ~st.done
-      window = jnp.concatenate([st.window[:, 1:], tok[:, None]], axis=1)
-      seq = inp.stop_seqs[None]  # [1, NS, MS]
-      hit = jnp.all((seq == window[:, None, :]) | (seq < 0), axis=-1)
-      hit = jnp.any(hit & inp.stop_use & jnp.any(seq >= 0, axis=-1), axis=-1)
-      is_eos = jnp.any(tok[:, None] == eos[None, :], axis=-1)
-      new_length = st.length + live.astype(jnp.int32)
-      out_of_budget = st.step + 1 >= inp.max_new
-      full = new_length >= s_len
-      reason = jnp.select(
-          [~live, is_eos, hit, out_of_budget, full],
-          [st.reason, jnp.full_like(st.reason, 2), jnp.full_like(st.reason, 1),
-           jnp.full_like(st.reason, 3), jnp.full_like(st.reason, 4)], st.reason)
-      done = st.done | (live & (is_eos | hit | out_of_budget | full))
-      put = lambda buf, x, fill: buf.at[:, st.step].set(jnp.where(live, x, fill))
-      # Feed the token so its KV is cached (the next turn or branch reuses it).
-      h, cache = model.extend(tok[:, None], st.length, st.cache)
-      logits = jnp.einsum("rd,dv->rv", h[:, 0], head.astype(h.dtype),
-                          preferred_element_type=jnp.float32)
-      return SamplerState(
-          step=st.step + 1, done=done, reason=reason, length=new_length, logits=logits,
-          window=window, tokens=put(st.tokens, tok, -1), logprobs=put(st.logprobs, lp, 0.0),
-          entropies=put(st.entropies, ent, 0.0), cache=cache, rng=st.rng)
-
-    out = lax.while_loop(cond, body, state)
-    # The work rows go back to their cache rows; every other row is untouched.
-    return out.replace(cache=KVCache(full_cache.k.at[:, inp.rows].set(out.cache.k),
-                                     full_cache.v.at[:, inp.rows].set(out.cache.v)))
-
-  def _prefill(self, model: Decoder, cache: KVCache, inp: SamplerInputs):
-    """Runs the suffixes in chunks of `prefill_chunk` tokens; returns each row's last hidden.
-
-    Chunking bounds the attention scores at [R, H, chunk, S] instead of
-    [R, H, T, S]; chunks past every row's suffix are skipped.
+    Chunking bounds the attention scores at [A, H, chunk, S] instead of
+    [A, H, T, S]; chunks past every entry's suffix are skipped.
     """
-    r, t = inp.new_tokens.shape
-    c = min(t, self.prefill_chunk)  # both powers of two: c divides t
-    chunks = jnp.moveaxis(inp.new_tokens.reshape(r, t // c, c), 1, 0)
+    a, t = adm.new_tokens.shape
+    c = min(t, self.prefill_chunk)  # t: a power of two below c, or a multiple of c
+    chunks = jnp.moveaxis(adm.new_tokens.reshape(a, t // c, c), 1, 0)
 
     def step(carry, xs):
       cache, last = carry
@@ -217,21 +222,72 @@ class SamplerLoop:
 
       def run(args):
         cache, last = args
-        h, cache = model.extend(toks, inp.keep_len + i * c, cache)
-        idx = inp.new_len - 1 - i * c  # a row's last suffix token, if in this chunk
+        write = (i * c + jnp.arange(c))[None, :] < adm.new_len[:, None]
+        h, cache = self.model.extend(weights, toks, adm.keep_len + i * c, adm.p_row, write,
+                                     cache)
+        idx = adm.new_len - 1 - i * c  # an entry's last suffix token, if in this chunk
         h_idx = jnp.take_along_axis(h, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
         return cache, jnp.where(((idx >= 0) & (idx < c))[:, None], h_idx, last)
 
-      return lax.cond(jnp.any(inp.new_len > i * c), run, lambda a: a, (cache, last)), None
+      return lax.cond(jnp.any(adm.new_len > i * c), run, lambda x: x, (cache, last)), None
 
-    last = jnp.zeros((r, model.config.hidden_size), jnp.dtype(model.config.dtype))
+    last = jnp.zeros((a, self.model.config.hidden_size), jnp.dtype(self.model.config.dtype))
     (cache, last), _ = lax.scan(step, (cache, last), (jnp.arange(t // c), chunks))
     return last, cache
 
+  def decode(self, weights: SamplingWeights, cache: KVCache, st: SamplerState,
+             stop_seqs: Int[Array, "NS MS"], waiting: Bool[Array, ""]
+             ) -> tuple[KVCache, SamplerState]:
+    """Decode until every slot is done, or (with requests `waiting`) until one more is."""
+    s_len, m = cache.slots, self.max_new_tokens
+    w = st.done.shape[0]
+    eos = jnp.asarray(self.eos_ids if self.eos_ids else (-3,), jnp.int32)
+    done0 = st.done
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _run(loop: SamplerLoop, params, cache, inp, rng):
-  return loop.run(params, cache, inp, rng)
+    def cond(carry):
+      st = carry[1]
+      return ~jnp.all(st.done) & ~(waiting & jnp.any(st.done & ~done0))
+
+    def body(carry):
+      cache, st = carry
+      keys = jax.vmap(jax.random.fold_in)(st.keys, st.t)
+      tok, lp, ent = sample_tokens(st.logits, keys, st.temperature, st.top_p, st.top_k)
+      live = ~st.done
+      window = jnp.concatenate([st.window[:, 1:], tok[:, None]], axis=1)
+      seq = stop_seqs[None]  # [1, NS, MS]
+      hit = jnp.all((seq == window[:, None, :]) | (seq < 0), axis=-1)
+      hit = jnp.any(hit & st.stop_use & jnp.any(seq >= 0, axis=-1), axis=-1)
+      is_eos = jnp.any(tok[:, None] == eos[None, :], axis=-1)
+      new_length = st.length + live.astype(jnp.int32)
+      out_of_budget = st.t + 1 >= st.max_new
+      full = new_length >= s_len
+      reason = jnp.select(
+          [~live, is_eos, hit, out_of_budget, full],
+          [st.reason, jnp.full_like(st.reason, 2), jnp.full_like(st.reason, 1),
+           jnp.full_like(st.reason, 3), jnp.full_like(st.reason, 4)], st.reason)
+      done = st.done | (live & (is_eos | hit | out_of_budget | full))
+      col = jnp.where(live, st.t, m)  # finished slots write nothing
+      put = lambda buf, x: buf.at[jnp.arange(w), col].set(x, mode="drop")
+      # Feed the token so its KV is cached (the next turn or branch reuses it).
+      h, cache = self.model.extend(weights, tok[:, None], st.length, st.row, live[:, None], cache)
+      st = st.replace(
+          done=done, reason=reason, length=new_length, t=st.t + live.astype(jnp.int32),
+          logits=self.model.logits(weights, h[:, 0]), window=window,
+          tokens=put(st.tokens, tok), logprobs=put(st.logprobs, lp),
+          entropies=put(st.entropies, ent))
+      return cache, st
+
+    return lax.while_loop(cond, body, (cache, st))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _admit_program(loop: SamplerLoop, weights, cache, state, adm, rng):
+  return loop.admit(weights, cache, state, adm, rng)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+def _decode_program(loop: SamplerLoop, weights, cache, state, stop_seqs, waiting):
+  return loop.decode(weights, cache, state, stop_seqs, waiting)
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -248,26 +304,28 @@ def _decode(tokenizer, ids) -> str:
 
 
 class JaxSampler:
-  """The embedded RolloutEngine: a jitted sampler over a persistent row cache.
+  """The embedded RolloutEngine: jitted admit/decode programs over a persistent row cache.
 
   Args:
-    model: the policy (its current weights are copied in; see update_weights).
-    rows: KV-cache rows, i.e. the most sequences generated or kept at once.
+    model: the policy (its current weights are taken, LoRA merged; see update_weights).
+    rows: KV-cache rows, i.e. the most sequences decoded or kept at once.
     slots: cache length per row, the context window of generation.
     tokenizer: optional (HF `tokenizers` or `transformers`); needed for stop strings.
     eos_ids: token ids that end a generation (finish "eos").
     seed: sampling seed, the stream's key until the first `reseed`.
 
-  Sampling randomness: a request's decode step t uses fold_in(row_key, t), with
-  row_key the stream key folded with (1, seed >> 32, seed mod 2**32) for a request
-  with a `seed` (independent of the batch: see `GenerationRequest.seed`), or with
-  (0, c, i) for one without: the c-th device call since the reseed (a `generate`
-  of more requests than `rows` makes several), its i-th row (batch-dependent).
+  Sampling randomness: a request's decode step t uses fold_in(request_key, t),
+  with request_key the stream key folded with (1, seed >> 32, seed mod 2**32) for
+  a request with a `seed` (independent of the batch: see `GenerationRequest.seed`),
+  or with (0, c, i) for one without: the c-th `generate` since the reseed, its
+  i-th request (batch-dependent).
   """
 
   def __init__(self, model: Decoder, *, rows: int = 16, slots: int = 2048, tokenizer=None,
                eos_ids: Sequence[int] = (), seed: int = 0, max_stop_tokens: int = 8):
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef = nnx.graphdef(model)
+    self.model = model.cached()
+    self.weights = model.sampling_weights()
     self.config = model.config
     self.rows, self.slots = rows, slots
     self.tokenizer = tokenizer
@@ -276,6 +334,7 @@ class JaxSampler:
     self.cache = KVCache.zeros(model.config, rows, slots)
     self.row_tokens: list[np.ndarray | None] = [None] * rows
     self.last_used = np.zeros(rows, np.int64)
+    self.clock = 0  # admissions so far: the rows' LRU clock
     self.calls = 0
     self.rng = jax.random.key(seed)
     self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
@@ -285,11 +344,11 @@ class JaxSampler:
   def update_weights(self, params: Any) -> None:
     """Take new policy weights (an `nnx.State` of the same graph, or a Decoder).
 
-    The cached KV was computed with the old weights, so the row cache is reset.
+    They are merged (LoRA folded into the base kernels) once here, not on every
+    token. The cached KV was computed with the old weights, so the row cache is reset.
     """
-    if isinstance(params, nnx.Module):
-      params = nnx.split(params)[1]
-    self.params = params
+    model = params if isinstance(params, nnx.Module) else nnx.merge(self.graphdef, params)
+    self.weights = model.sampling_weights()
     self.row_tokens = [None] * self.rows
 
   def reseed(self, key: Array) -> None:
@@ -299,6 +358,7 @@ class JaxSampler:
     self.rng, self.calls = key, 0
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """Continuous batching: requests wait in order and take work slots as slots free up."""
     results: list[GenerationResult | None] = [None] * len(requests)
     todo = []
     for i, req in enumerate(requests):
@@ -308,13 +368,57 @@ class JaxSampler:
         results[i] = GenerationResult((), (), (), "context")
       else:
         todo.append(i)
-    for start in range(0, len(todo), self.rows):
-      chunk = todo[start:start + self.rows]
-      for i, res in zip(chunk, self._generate_chunk([requests[i] for i in chunk])):
-        results[i] = res
+    if not todo:
+      return results  # type: ignore[return-value]
+    self.calls += 1
+    strings, table = self._stop_table(requests)
+    w = min(self.rows, _bucket(len(todo), 1))
+    m = _bucket(max(requests[i].params.max_new_tokens for i in todo))
+    loop = SamplerLoop(self.model, m, self.eos_ids)
+    state = self._free_slots(w, m, table.shape[0])
+    stop_seqs = jax.device_put(table)
+    queue = collections.deque(todo)
+    slot_req, slot_row = [-1] * w, [-1] * w  # the request each slot runs, and its row
+    prefill: dict[int, int] = {}
+    while queue or max(slot_req) >= 0:
+      free = [k for k in range(w) if slot_req[k] < 0]
+      batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+      if batch:
+        busy = {slot_row[k] for k in range(w) if slot_req[k] >= 0}
+        adm, dest = self._admission(requests, batch, free, w, busy, strings, table.shape[0],
+                                    prefill)
+        for k, i, d in zip(free, batch, dest):
+          slot_req[k], slot_row[k] = i, d
+        self.cache, state = _admit_program(loop, self.weights, self.cache, state, adm, self.rng)
+      self.cache, state = _decode_program(loop, self.weights, self.cache, state, stop_seqs,
+                                          jnp.asarray(bool(queue)))
+      done, reason, tokens, logprobs, entropies = jax.device_get(
+          (state.done, state.reason, state.tokens, state.logprobs, state.entropies))
+      for k in range(w):
+        i = slot_req[k]
+        if i < 0 or not done[k]:
+          continue
+        req = requests[i]
+        results[i] = self._result(req, tokens[k], logprobs[k], entropies[k], int(reason[k]),
+                                  prefill[i])
+        self.row_tokens[slot_row[k]] = np.concatenate(
+            [np.asarray(req.tokens, np.int32), np.asarray(results[i].tokens, np.int32)])
+        slot_req[k] = -1
     return results  # type: ignore[return-value]
 
   # ------------------------------------------------------------------------
+
+  def _free_slots(self, w: int, m: int, ns: int) -> SamplerState:
+    i32, f32 = jnp.int32, jnp.float32
+    return SamplerState(
+        row=jnp.zeros(w, i32), done=jnp.ones(w, bool), reason=jnp.zeros(w, i32),
+        length=jnp.zeros(w, i32), t=jnp.zeros(w, i32),
+        logits=jnp.zeros((w, self.config.vocab_size), f32),
+        window=jnp.full((w, self.max_stop_tokens), -2, i32), tokens=jnp.full((w, m), -1, i32),
+        logprobs=jnp.zeros((w, m), f32), entropies=jnp.zeros((w, m), f32),
+        keys=jax.random.split(jax.random.key(0), w), temperature=jnp.ones(w, f32),
+        top_p=jnp.ones(w, f32), top_k=jnp.zeros(w, i32), max_new=jnp.ones(w, i32),
+        stop_use=jnp.zeros((w, ns), bool))
 
   def _lcp(self, tokens: np.ndarray) -> tuple[int, int]:
     """(row, length) of the cached row sharing the longest prefix with `tokens`."""
@@ -344,110 +448,113 @@ class JaxSampler:
     table = np.full((ns, self.max_stop_tokens), -1, np.int32)
     for j, ids in enumerate(seqs):
       table[j, -len(ids):] = ids
-    use = np.zeros((self.rows, ns), bool)
-    for r, req in enumerate(requests):
-      for j, s in enumerate(strings):
-        use[r, j] = s in req.params.stop
-    return strings, table, use
+    return strings, table
 
-  def _generate_chunk(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
-    r = self.rows
-    self.calls += 1
-    ctx = [np.asarray(req.tokens, np.int32) for req in requests]
-    # Group identical contexts: one lead row prefills, the others copy it.
+  def _admission(self, requests: Sequence[GenerationRequest], batch: list[int], slots: list[int],
+                 w: int, busy: set[int], strings: list[str], ns: int, prefill: dict[int, int]
+                 ) -> tuple[Admission, list[int]]:
+    """Rows, prefix sources and prefill suffixes for requests `batch` entering `slots`.
+
+    Rows of running slots (`busy`) are never destinations, but may be sources:
+    a running row's context slots do not change. A row may be one entry's
+    source and another's destination (copies read before they write).
+    """
+    ctx = [np.asarray(requests[i].tokens, np.int32) for i in batch]
+    # Group identical contexts: one lead entry prefills, the others copy it.
     leads: dict[tuple[int, ...], int] = {}
-    for i, req in enumerate(requests):
-      leads.setdefault(req.tokens, i)
+    for e, i in enumerate(batch):
+      leads.setdefault(requests[i].tokens, e)
     # Destinations: a lead extends its source row in place when nothing of that
-    # row is lost; everything else takes the least recently used free row.
-    sources = {i: self._lcp(ctx[i]) for i in leads.values()}
-    dest = [-1] * len(requests)
-    taken: set[int] = set()
-    for i in leads.values():
-      row, lcp = sources[i]
+    # row is lost; everything else takes the least recently used idle row.
+    sources = {e: self._lcp(ctx[e]) for e in leads.values()}
+    dest = [-1] * len(batch)
+    taken = set(busy)
+    for e in leads.values():
+      row, lcp = sources[e]
       cached = self.row_tokens[row]
       if cached is not None and lcp == len(cached) and row not in taken:
-        dest[i] = row
+        dest[e] = row
         taken.add(row)
-    free = [row for row in np.argsort(self.last_used, kind="stable") if row not in taken]
-    for i in range(len(requests)):
-      if dest[i] < 0:
-        dest[i] = int(free.pop(0))
-        taken.add(dest[i])
+    idle = [int(r) for r in np.argsort(self.last_used, kind="stable") if r not in taken]
+    for e in range(len(batch)):
+      if dest[e] < 0:
+        dest[e] = idle.pop(0)
+        taken.add(dest[e])
 
-    # Work rows: request i works in row w = i (cache row dest[i]); a power-of-two
-    # count, padded with other rows that the call leaves as they are (their cached
-    # tokens are kept; only slots past them are scribbled on).
-    w = min(r, _bucket(len(requests), 1))
-    work = dest + free[:w - len(requests)]
-    src_rows = np.array(work, np.int32)
-    keep_len = np.array([0 if self.row_tokens[row] is None else len(self.row_tokens[row])
-                         for row in work], np.int32)
-    new_len = np.zeros(w, np.int32)
-    suffixes, prefill = {}, [0] * len(requests)
-    for key, i in leads.items():
-      row, lcp = sources[i]
+    a, n_leads = _bucket(len(batch), 1), len(leads)
+    pad = _bucket(n_leads, 1)
+    slot = np.full(a, w, np.int32)  # padding: out of range, its writes are dropped
+    slot[:len(batch)] = slots[:len(batch)]
+    row = np.full(a, self.rows, np.int32)
+    row[:len(batch)] = dest
+    src_row, copy_len, ctx_len, lead, lead_row, fork_len = (np.zeros(a, np.int32)
+                                                            for _ in range(6))
+    p_row = np.full(pad, self.rows, np.int32)
+    keep_len, new_len = np.zeros(pad, np.int32), np.zeros(pad, np.int32)
+    lead_index = {}
+    for p, (key, e) in enumerate(leads.items()):
+      src, lcp = sources[e]
       keep = min(lcp, len(key) - 1)  # the last context token always runs
-      src_rows[i], keep_len[i] = row, keep
-      suffixes[i] = ctx[i][keep:]
-      new_len[i] = len(key) - keep
-      prefill[i] = len(key) - keep
+      src_row[e], copy_len[e] = src, (keep if src != dest[e] else 0)
+      p_row[p], keep_len[p], new_len[p] = dest[e], keep, len(key) - keep
+      lead_index[key] = p
       self.stats["reused_tokens"] += keep
-    t = min(_bucket(int(new_len.max())), self.slots)
-    new_tokens = np.zeros((w, t), np.int32)
-    for i, suffix in suffixes.items():
-      new_tokens[i, :len(suffix)] = suffix
-    fork_src = np.arange(w, dtype=np.int32)
-    active = np.zeros(w, bool)
-    temperature, top_p = np.ones(w, np.float32), np.ones(w, np.float32)
-    top_k, max_new = np.zeros(w, np.int32), np.ones(w, np.int32)
-    for i, req in enumerate(requests):
-      fork_src[i] = leads[req.tokens]
-      active[i] = True
+    t = self._prefill_bucket(int(new_len.max()))
+    new_tokens = np.zeros((pad, t), np.int32)
+    for p, (key, e) in enumerate(leads.items()):
+      new_tokens[p, :new_len[p]] = ctx[e][keep_len[p]:]
+    temperature, top_p = np.ones(a, np.float32), np.ones(a, np.float32)
+    top_k, max_new = np.zeros(a, np.int32), np.ones(a, np.int32)
+    stop_use = np.zeros((a, ns), bool)
+    seeds = np.zeros((a, 3), np.uint32)
+    self.clock += 1
+    for e, i in enumerate(batch):
+      req = requests[i]
+      ctx_len[e] = len(ctx[e])
+      lead[e] = lead_index[req.tokens]
+      first = leads[req.tokens]
+      if first != e:  # a fork: copies its lead's context, prefills nothing
+        lead_row[e], fork_len[e] = dest[first], len(ctx[e])
+      prefill[i] = int(new_len[lead[e]]) if first == e else 0
       p = req.params
-      temperature[i], top_p[i], top_k[i], max_new[i] = (p.temperature, p.top_p, p.top_k,
+      temperature[e], top_p[e], top_k[e], max_new[e] = (p.temperature, p.top_p, p.top_k,
                                                          p.max_new_tokens)
-    strings, table, use = self._stop_table(requests)
-    stop_use = np.zeros((w, table.shape[0]), bool)
-    stop_use[:len(requests)] = use[:len(requests)]
-    seeds = np.zeros((w, 3), np.uint32)
-    seeds[:, 1], seeds[:, 2] = self.calls, np.arange(w)
-    for i, req in enumerate(requests):
-      if req.seed is not None:
-        seeds[i] = (1, req.seed >> 32, req.seed & 0xFFFFFFFF)
+      stop_use[e, :len(strings)] = [s in p.stop for s in strings]
+      seeds[e] = ((1, req.seed >> 32, req.seed & 0xFFFFFFFF) if req.seed is not None
+                  else (0, self.calls, i))
+      # The row holds the context once admitted (its generated tokens follow at the end).
+      self.row_tokens[dest[e]] = ctx[e]
+      self.last_used[dest[e]] = self.clock
+    host = dict(slot=slot, row=row, src_row=src_row, copy_len=copy_len, ctx_len=ctx_len,
+                lead=lead, lead_row=lead_row, fork_len=fork_len, p_row=p_row, keep_len=keep_len,
+                new_tokens=new_tokens, new_len=new_len, temperature=temperature, top_p=top_p,
+                top_k=top_k, max_new=max_new,
+                stop_use=stop_use, seeds=seeds)
+    return Admission(**{k: jax.device_put(v) for k, v in host.items()}), dest
 
-    host = dict(
-        rows=np.array(work, np.int32), src_rows=src_rows, keep_len=keep_len, new_tokens=new_tokens, new_len=new_len,
-        fork_src=fork_src, active=active, temperature=temperature, top_p=top_p, top_k=top_k,
-        max_new=max_new, stop_seqs=table, stop_use=stop_use, seeds=seeds)
-    inp = SamplerInputs(**{k: jax.device_put(v) for k, v in host.items()})
-    loop = SamplerLoop(self.graphdef, _bucket(int(max_new.max())), self.eos_ids)
-    state = _run(loop, self.params, self.cache, inp, self.rng)
-    self.cache = state.cache
-    out = jax.device_get((state.tokens, state.logprobs, state.entropies, state.reason))
-    tokens, logprobs, entropies, reason = out
+  def _prefill_bucket(self, n: int) -> int:
+    """Prefill length bucket: powers of two up to a chunk, then whole chunks (a 330-token
+    prompt runs 384 positions, not 512)."""
+    c = SamplerLoop.prefill_chunk
+    t = _bucket(n) if n <= c else -(-n // c) * c
+    return min(t, _bucket(self.slots))
 
-    # Host: apply stop strings on text, record results and what each row now holds.
-    results = []
-    for i, req in enumerate(requests):
-      n = int((tokens[i] >= 0).sum())
-      gen = tokens[i, :n]
-      finish, stop = _REASONS[int(reason[i])], None
-      if finish == "stop" or (self.tokenizer is not None and req.params.stop):
-        cut, stop = self._stop_cut(gen, req.params.stop)
-        if stop is not None:
-          n, finish = cut, "stop"
-      results.append(GenerationResult(
-          tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[i, :n]),
-          entropies=tuple(float(x) for x in entropies[i, :n]), finish_reason=finish, stop=stop,
-          prefill_tokens=prefill[i]))
-      self.stats["prefill_tokens"] += prefill[i]
-      self.stats["generated_tokens"] += n
-    for i in range(len(requests)):
-      d = dest[i]
-      self.row_tokens[d] = np.concatenate([ctx[i], np.asarray(results[i].tokens, np.int32)])
-      self.last_used[d] = self.calls
-    return results
+  def _result(self, req: GenerationRequest, tokens, logprobs, entropies, reason: int,
+              prefill: int) -> GenerationResult:
+    """A finished slot's result, stop strings applied on the host."""
+    n = int((tokens >= 0).sum())
+    gen = tokens[:n]
+    finish, stop = _REASONS[reason], None
+    if finish == "stop" or (self.tokenizer is not None and req.params.stop):
+      cut, stop = self._stop_cut(gen, req.params.stop)
+      if stop is not None:
+        n, finish = cut, "stop"
+    self.stats["prefill_tokens"] += prefill
+    self.stats["generated_tokens"] += n
+    return GenerationResult(
+        tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[:n]),
+        entropies=tuple(float(x) for x in entropies[:n]), finish_reason=finish, stop=stop,
+        prefill_tokens=prefill)
 
   def _stop_cut(self, gen: np.ndarray, stops: Sequence[str]) -> tuple[int, str | None]:
     """(tokens to keep, stop string) for the earliest token completing a stop string."""
