@@ -70,7 +70,7 @@ from tree_rl.algos.registry import Advantages, compute_advantages  # noqa: E402
 from tree_rl.models import Decoder, ModelConfig  # noqa: E402
 from tree_rl.models.attention import AttentionConfig, max_visible_blocks  # noqa: E402
 from tree_rl.tree import Buckets, RolloutTree, derived, pack  # noqa: E402
-from tree_rl.tree.batch import _policy_width  # noqa: E402
+from tree_rl.tree.batch import _policy_width, padded_arrays  # noqa: E402
 
 DENSE_MAX = 512  # rows up to this many tokens use dense attention, longer ones blockwise
 PEAK_BF16_FLOPS = 989e12  # dense bf16 FLOP/s of an H100 SXM; an H200 has the same
@@ -166,10 +166,8 @@ def pack_flat_rows(chains: list[RolloutTree], block: int):
   row to be one tree, so advantages are passed in, not estimated on these rows.
   """
   one = pack(chains, Buckets.exact())
-  arr = {f: np.asarray(getattr(one, f)) for f in (
-      "tokens", "positions", "node_of_token", "loss_mask", "behavior_logp", "parent",
-      "node_kind", "step", "node_reward", "leaf_node", "leaf_reward", "leaf_tag",
-      "subtree_end", "node_tokens", "node_policy_tokens")}
+  arr = {f.name: np.asarray(getattr(one, f.name)) for f in dataclasses.fields(one)
+         if f.metadata.get("pytree_node", True)}  # the array fields
   n_tok = (arr["node_of_token"] >= 0).sum(1)
   n_node = (arr["node_kind"] >= 0).sum(1)
   longest = int(n_tok.max())
@@ -186,22 +184,8 @@ def pack_flat_rows(chains: list[RolloutTree], block: int):
   for row in rows:
     row.sort()  # chain order inside a row, so leaves keep the chains' relative order
   n_rows, n_nodes = len(rows), max(int(n_node[row].sum()) for row in rows)
-  k, c_ch = max(len(row) for row in rows), arr["node_reward"].shape[-1]
-  out = dict(
-      tokens=np.zeros((n_rows, length), np.int32), positions=np.zeros((n_rows, length), np.int32),
-      node_of_token=np.full((n_rows, length), -1, np.int32),
-      loss_mask=np.zeros((n_rows, length), bool),
-      behavior_logp=np.zeros((n_rows, length), np.float32),
-      parent=np.full((n_rows, n_nodes), -1, np.int32),
-      node_kind=np.full((n_rows, n_nodes), -1, np.int32),
-      step=np.zeros((n_rows, n_nodes), np.int32),
-      node_reward=np.zeros((n_rows, n_nodes, c_ch), np.float32),
-      leaf_node=np.full((n_rows, k), -1, np.int32),
-      leaf_reward=np.zeros((n_rows, k, c_ch), np.float32),
-      leaf_tag=np.zeros((n_rows, k), np.int32),
-      subtree_end=np.tile(np.arange(n_nodes, dtype=np.int32), (n_rows, 1)),
-      node_tokens=np.zeros((n_rows, n_nodes), np.int32),
-      node_policy_tokens=np.zeros((n_rows, n_nodes), np.int32))
+  k = max(len(row) for row in rows)
+  out = padded_arrays(n_rows, length, n_nodes, k, arr["node_reward"].shape[-1])
   order = []  # (row, leaf slot) of every chain, in chain order
   for r, row in enumerate(rows):
     o = q = 0
@@ -220,10 +204,10 @@ def pack_flat_rows(chains: list[RolloutTree], block: int):
       out["leaf_tag"][r, j] = arr["leaf_tag"][c, 0]
       order.append((c, r, j))
       o, q = o + t, q + n
-  batch = one.replace(**{f: jnp.asarray(v) for f, v in out.items()})
-  # The policy-only vocabulary projection, sized as pack() sizes it for the other layouts.
-  batch = dataclasses.replace(batch, max_loss_tokens=_policy_width(
-      int(out["loss_mask"].sum(1).max()), length, True))
+  # max_loss_tokens: the policy-only vocabulary projection, sized as pack() sizes it.
+  batch = one.replace(**{f: jnp.asarray(v) for f, v in out.items()},
+                      max_loss_tokens=_policy_width(int(out["loss_mask"].sum(1).max()), length,
+                                                    True))
   slots = [(r, j) for _, r, j in sorted(order)]
   return batch, slots
 

@@ -267,15 +267,18 @@ class Decoder(nnx.Module):
     x, _ = lax.scan(body, x, self._layer_weights())
     return rms_norm(x, self.final_norm.get_value(), self.config.rms_norm_eps)
 
-  def sampling_weights(self) -> SamplingWeights:
-    """This model's weights for `CachedDecoder`: LoRA merged (W + scale A B), layers split."""
-    stacked = {name: getattr(self, name).get_value() for name in self.layer_names}
-    for name in self.lora_names:
+  def merged_kernel(self, name: str) -> Array:
+    """The stacked layer weight `name`, with its LoRA update (scale * A B) folded in."""
+    w = getattr(self, name).get_value()
+    if name in self.lora_names:
       a = getattr(self, f"{name}_lora_a").get_value()
       b = getattr(self, f"{name}_lora_b").get_value()
-      merged = stacked[name] + self.lora.scale * jnp.einsum(
-          "lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
-      stacked[name] = merged.astype(stacked[name].dtype)
+      w = w + self.lora.scale * jnp.einsum("lir,lro->lio", a, b)
+    return w
+
+  def sampling_weights(self) -> SamplingWeights:
+    """This model's weights for `CachedDecoder`: LoRA merged (W + scale A B), layers split."""
+    stacked = {name: self.merged_kernel(name) for name in self.layer_names}
     layers = tuple({k: v[i] for k, v in stacked.items()}
                    for i in range(self.config.num_hidden_layers))
     head = self.embed.get_value() if self.config.tie_word_embeddings else self.lm_head.get_value().T

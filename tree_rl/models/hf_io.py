@@ -20,7 +20,6 @@ import shutil
 import sys
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -124,16 +123,6 @@ def load_hf(
   return with_lora
 
 
-def merged_kernel(model: Decoder, name: str) -> jax.Array:
-  """The projection kernel `name` with its LoRA update folded in."""
-  w = getattr(model, name).get_value()
-  if name in model.lora_names:
-    a = getattr(model, f"{name}_lora_a").get_value()
-    b = getattr(model, f"{name}_lora_b").get_value()
-    w = w + model.lora.scale * jnp.einsum("lir,lro->lio", a, b)
-  return w
-
-
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
   """HF-named float32 tensors of `model`, LoRA merged."""
   c = model.config
@@ -141,7 +130,7 @@ def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
          "model.norm.weight": np.asarray(model.final_norm.get_value(), np.float32)}
   for pname in model.layer_names:
     hf_name, is_kernel = LAYER_TABLE[pname]
-    stacked = np.asarray(merged_kernel(model, pname), np.float32)
+    stacked = np.asarray(model.merged_kernel(pname), np.float32)
     for i in range(c.num_hidden_layers):
       out[f"model.layers.{i}.{hf_name}"] = np.ascontiguousarray(
           stacked[i].T if is_kernel else stacked[i])

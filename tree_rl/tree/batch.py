@@ -162,21 +162,13 @@ def pack(
   C = len(reward_channels)
   chan = {name: c for c, name in enumerate(reward_channels)}
 
-  tokens = np.zeros((n_trees, L), np.int32)
-  positions = np.zeros((n_trees, L), np.int32)
-  node_of_token = np.full((n_trees, L), -1, np.int32)
-  loss_mask = np.zeros((n_trees, L), bool)
-  behavior_logp = np.zeros((n_trees, L), np.float32)
-  parent = np.full((n_trees, N), -1, np.int32)
-  node_kind = np.full((n_trees, N), PAD_KIND, np.int32)
-  step = np.zeros((n_trees, N), np.int32)
-  node_reward = np.zeros((n_trees, N, C), np.float32)
-  leaf_node = np.full((n_trees, K), -1, np.int32)
-  leaf_reward = np.zeros((n_trees, K, C), np.float32)
-  leaf_tag = np.zeros((n_trees, K), np.int32)
-  subtree_end = np.broadcast_to(np.arange(N, dtype=np.int32), (n_trees, N)).copy()
-  node_tokens = np.zeros((n_trees, N), np.int32)
-  node_policy_tokens = np.zeros((n_trees, N), np.int32)
+  a = padded_arrays(n_trees, L, N, K, C)
+  tokens, positions, node_of_token = a["tokens"], a["positions"], a["node_of_token"]
+  loss_mask, behavior_logp, parent = a["loss_mask"], a["behavior_logp"], a["parent"]
+  node_kind, step, node_reward = a["node_kind"], a["step"], a["node_reward"]
+  leaf_node, leaf_reward, leaf_tag = a["leaf_node"], a["leaf_reward"], a["leaf_tag"]
+  subtree_end, node_tokens = a["subtree_end"], a["node_tokens"]
+  node_policy_tokens = a["node_policy_tokens"]
 
   for b, lay in enumerate(lays):
     n, t = lay.num_nodes, lay.num_tokens
@@ -206,25 +198,25 @@ def pack(
           leaf_reward[b, k, chan[name]] = v
 
   return TreeBatch(
-      tokens=jnp.asarray(tokens),
-      positions=jnp.asarray(positions),
-      node_of_token=jnp.asarray(node_of_token),
-      loss_mask=jnp.asarray(loss_mask),
-      behavior_logp=jnp.asarray(behavior_logp),
-      parent=jnp.asarray(parent),
-      node_kind=jnp.asarray(node_kind),
-      step=jnp.asarray(step),
-      node_reward=jnp.asarray(node_reward),
-      leaf_node=jnp.asarray(leaf_node),
-      leaf_reward=jnp.asarray(leaf_reward),
-      leaf_tag=jnp.asarray(leaf_tag),
-      subtree_end=jnp.asarray(subtree_end),
-      node_tokens=jnp.asarray(node_tokens),
-      node_policy_tokens=jnp.asarray(node_policy_tokens),
+      **{name: jnp.asarray(x) for name, x in a.items()},
       reward_channels=tuple(reward_channels),
       max_path_len=P,
       max_loss_tokens=_policy_width(int(loss_mask.sum(axis=1).max()), L, bool(buckets.tokens)),
   )
+
+
+def padded_arrays(n_trees: int, L: int, N: int, K: int, C: int) -> dict[str, np.ndarray]:
+  """Every array field of a TreeBatch of these sizes, all padding (token, node and leaf
+  index -1, node_kind PAD_KIND, empty subtree ranges, zeros elsewhere): what `pack` fills."""
+  z = lambda *shape, dt=np.int32: np.zeros((n_trees,) + shape, dt)
+  full = lambda value, *shape: np.full((n_trees,) + shape, value, np.int32)
+  return dict(
+      tokens=z(L), positions=z(L), node_of_token=full(-1, L), loss_mask=z(L, dt=bool),
+      behavior_logp=z(L, dt=np.float32), parent=full(-1, N), node_kind=full(PAD_KIND, N),
+      step=z(N), node_reward=z(N, C, dt=np.float32), leaf_node=full(-1, K),
+      leaf_reward=z(K, C, dt=np.float32), leaf_tag=z(K),
+      subtree_end=np.broadcast_to(np.arange(N, dtype=np.int32), (n_trees, N)).copy(),
+      node_tokens=z(N), node_policy_tokens=z(N))
 
 
 def pack_sound(trees: Sequence[RolloutTree], buckets: Buckets,
