@@ -337,13 +337,7 @@ class RolloutTree:
     the order `pack` lays tokens out in, so parents precede children and
     every node's tokens are contiguous.
     """
-    kids = self.children()
-    order: list[int] = []
-    stack = [0]
-    while stack:
-      n = stack.pop()
-      order.append(n)
-      stack.extend(reversed(kids[n]))
+    order = self.preorder()
     new_index = {old: new for new, old in enumerate(order)}
     nodes = []
     for old in order:
