@@ -186,6 +186,40 @@ def test_top_k_one_and_tiny_top_p_are_greedy(model):
   assert [r.tokens for r in res] == [greedy, greedy]
 
 
+def test_cdf_inversion_follows_the_weights():
+  """Two-level CDF inversion: the float64 searchsorted answer, and never a zero-weight token."""
+  rng = np.random.default_rng(0)
+  v = 1000  # not a multiple of the 256-token block: the last block is padded
+  w = rng.exponential(size=(3, v)).astype(np.float32)
+  w[:, rng.choice(v, 300, replace=False)] = 0.0  # truncated tokens
+  w[1, :] = 0.0
+  w[1, [5, 700]] = (1.0, 3.0)  # two tokens in different blocks
+  w[2, 257:] = 0.0  # the last positive token is the first of block 1
+  u = np.concatenate([rng.uniform(1e-7, 1.0, 4000), [1e-9, 1.0]]).astype(np.float32)
+  tok = np.asarray(jax.jit(jax.vmap(jax_sampler._invert_cdf, in_axes=(None, 0)))(
+      jnp.asarray(w), jnp.asarray(u)[:, None].repeat(3, axis=1)))  # [U, 3]
+  for r in range(3):
+    assert (w[r, tok[:, r]] > 0).all()
+    cdf = np.cumsum(w[r].astype(np.float64))
+    want = np.minimum(np.searchsorted(cdf, u.astype(np.float64) * cdf[-1], side="left"), v - 1)
+    assert np.mean(tok[:, r] == want) > 0.999  # float32 rounding may move a boundary draw
+  assert set(tok[:, 1]) == {5, 700}
+  assert np.isclose(np.mean(tok[:, 1] == 700), 0.75, atol=0.03)
+
+
+def test_sampled_tokens_follow_the_tempered_distribution():
+  logits = jnp.asarray(np.random.default_rng(1).normal(size=(1, 40)) * 2, jnp.float32)
+  n = 20000
+  keys = jax.random.split(jax.random.key(3), n)
+  temp = jnp.full((n,), 0.7)
+  tok, lp, _ = jax.jit(jax_sampler.sample_tokens)(
+      jnp.repeat(logits, n, axis=0), keys, temp, jnp.ones(n), jnp.zeros(n, jnp.int32))
+  p = np.asarray(jax.nn.softmax(logits[0] / 0.7))
+  freq = np.bincount(np.asarray(tok), minlength=40) / n
+  assert np.abs(freq - p).max() < 5 * np.sqrt(p.max() / n)
+  np.testing.assert_allclose(lp, jax.nn.log_softmax(logits[0])[tok], rtol=1e-6)
+
+
 def test_one_compile_per_bucket(model):
   eng = JaxSampler(model, rows=4, slots=64, seed=6)
   sizes = lambda: (jax_sampler._admit_program._cache_size()
