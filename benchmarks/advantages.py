@@ -208,7 +208,8 @@ def flat_group_batch(rng, groups, n):
 
 def bench_flat_grpo(rng, groups, n, repeats):
   """GRPO on flat groups through the general tree kernels, timed as the peers time theirs
-  (median of jitted calls after compilation), printed under the peers' metric name.
+  (median of jitted calls after compilation, here after as many untimed calls), printed
+  under the peers' metric name.
 
   The reference, timed the same way in this process: the textbook form on a [G, n] reward
   array (mean and unbiased std per row), which is what a flat-rollout trainer runs. The
@@ -228,9 +229,14 @@ def bench_flat_grpo(rng, groups, n, repeats):
   np.testing.assert_allclose(tree(batch).leaf_values, flat(rewards), atol=1e-5)
 
   def median(fn, arg):
-    jax.block_until_ready(fn(arg))
+    # As many untimed calls first: for a few hundred calls after a compile, XLA:CPU's
+    # dispatch to its worker thread can take tens of microseconds longer, which would
+    # bias whichever side is timed first.
+    calls = max(repeats, 200)
+    for _ in range(calls):
+      jax.block_until_ready(fn(arg))
     times = []
-    for _ in range(max(repeats, 200)):
+    for _ in range(calls):
       t0 = time.perf_counter()
       jax.block_until_ready(fn(arg))
       times.append(time.perf_counter() - t0)

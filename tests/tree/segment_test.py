@@ -25,11 +25,12 @@ def _groups(values, ids, mask, g):
       yield b, k, values[b][(ids[b] == k) & mask[b]]
 
 
-# g = 1 takes the one-segment fast path (plain masked row reductions, no scatter).
+# g = 1 takes the one-segment fast path (plain masked row reductions, no scatter); rows of
+# 8 are summed by unrolled adds, rows of 17 by a reduce (segment.UNROLL_ROW_SUM = 16).
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5]))
-def test_reductions_match_numpy(seed, g):
-  values, ids, mask, g = _case(seed, g=g)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5]), st.sampled_from([8, 17]))
+def test_reductions_match_numpy(seed, g, x):
+  values, ids, mask, g = _case(seed, x=x, g=g)
   args = (jnp.asarray(values), jnp.asarray(ids), g, jnp.asarray(mask))
   out = {
       "sum": segment.segment_sum(*args), "count": segment.segment_count(args[1], g, args[3]),
@@ -50,9 +51,10 @@ def test_reductions_match_numpy(seed, g):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1]), st.sampled_from([1, 5]))
-def test_zscore_matches_numpy(seed, ddof, g):
-  values, ids, mask, g = _case(seed, g=g)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1]), st.sampled_from([1, 5]),
+       st.sampled_from([8, 17]))
+def test_zscore_matches_numpy(seed, ddof, g, x):
+  values, ids, mask, g = _case(seed, x=x, g=g)
   values[0, :6] = 0.3  # a group of equal values somewhere
   ids[0, :6] = 0
   mask[0, :6] = True
@@ -76,6 +78,32 @@ def test_gather_and_exact_zero_for_ties():
   z = segment.segment_zscore(jnp.full((1, 3), 0.1), jnp.zeros((1, 3), jnp.int32), 1,
                              ddof=0, eps=1e-6)
   assert np.asarray(z).tolist() == [[0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("width", [1, 2, 8, 16, 17, 40])
+def test_row_sum_both_paths(width):
+  x = np.random.default_rng(width).normal(size=(5, width)).astype(np.float32)
+  got = segment.row_sum(jnp.asarray(x))
+  assert got.shape == (5, 1)
+  np.testing.assert_allclose(got[:, 0], x.sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_masked_means():
+  rng = np.random.default_rng(0)
+  mask = rng.random(300) < 0.6
+  a = np.where(mask, rng.normal(size=300), 0.0).astype(np.float32)
+  b = (mask & (rng.random(300) < 0.3)).astype(np.float32)
+  got = segment.masked_means(jnp.asarray(mask), jnp.asarray(a), jnp.asarray(b))
+  np.testing.assert_allclose(got, [a[mask].mean(), b[mask].mean()], rtol=1e-5, atol=1e-6)
+  # Entries off the mask do not count, whatever they hold; an empty mask gives 0.
+  off = segment.masked_means(jnp.asarray(mask), jnp.asarray(np.where(mask, a, 7.0)))
+  np.testing.assert_allclose(off, [a[mask].mean()], rtol=1e-5, atol=1e-6)
+  assert [float(v) for v in segment.masked_means(jnp.zeros(4, bool), jnp.ones(4))] == [0.0]
+  # One entry (XLA reduces it without the combiner): its own mean, or 0 off the mask.
+  for on, want in ((True, 0.5), (False, 0.0)):
+    assert float(segment.masked_means(jnp.array([on]), jnp.array([0.5]))[0]) == want
+  # All-equal flags average exactly (the metrics' zero_std_frac of 0 and 1).
+  assert float(segment.masked_means(jnp.asarray(mask), jnp.asarray(mask))[0]) == 1.0
 
 
 def _quadratic(x, gamma):

@@ -93,15 +93,16 @@ def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
 
 
 def _group_metrics(r: Float[Array, "B K"], leaf_valid: Bool[Array, "B K"]) -> dict:
-  """Mean reward and the fraction of trees with no reward spread, over the non-empty trees
-  (the per-tree figures are reduced together: one pass, not one per metric)."""
-  tree_ok = leaf_valid.any(-1)
-  mean, std = segment.row_moments(r, leaf_valid, ddof=0)
-  per_tree = jnp.stack([tree_ok, jnp.where(tree_ok, mean[:, 0], 0.0),
-                        tree_ok & (std[:, 0] <= segment.STD_FLOOR)]).astype(jnp.float32)
-  n_trees, total, flat = per_tree.sum(-1)
-  n_trees = jnp.maximum(n_trees, 1.0)
-  return {"reward_mean": total / n_trees, "zero_std_frac": flat / n_trees}
+  """Mean reward and the fraction of trees with no reward spread (population std at most
+  STD_FLOOR), over the non-empty trees. The row statistics are the z-score's own
+  (`row_stats`; jit computes them once), both figures come out of one reduce over the trees
+  (`masked_means`), and the spread test compares the sum of squared deviations with
+  count * STD_FLOOR^2: the std test without a division and a square root per tree."""
+  c, mean, ss = segment.row_stats(r, leaf_valid)
+  tree_ok = c[:, 0] > 0
+  flat = tree_ok & (ss[:, 0] <= c[:, 0] * segment.STD_FLOOR**2)
+  reward_mean, zero_std_frac = segment.masked_means(tree_ok, mean[:, 0], flat)
+  return {"reward_mean": reward_mean, "zero_std_frac": zero_std_frac}
 
 
 # ----------------------------------------------------------------------------
