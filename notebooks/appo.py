@@ -92,9 +92,7 @@ N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
        for n, b in ((8, 1), (4, 3), (2, 7))]
 ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
              appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
-ARMS = ex.unique_arms(MAIN, N_B, ABLATIONS)
-ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
-print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS)  # all validated first
 
 # %% [markdown]
 # ## Runs
@@ -125,10 +123,7 @@ COLUMNS = ["sft/accuracy", "rl/accuracy", "train/reward/outcome_mean",
 PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS)}
-TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, columns, arms)}"
-                     for title, (arms, columns) in SECTIONS.items())
-(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
-(ROOT / PAPER / "tables.md").write_text(f"## APPO ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
 
 # %%

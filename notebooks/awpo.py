@@ -88,9 +88,7 @@ ABLATIONS = [
            seeds=SEEDS),
     ex.Arm("fixed_clip", "awpo:fixed_clip", seeds=SEEDS),
 ]
-ARMS = ex.unique_arms(MAIN, ABLATIONS)
-ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
-print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+ARMS = ex.checked_arms(SCALE, MAIN, ABLATIONS)  # all validated first
 
 # %% [markdown]
 # ## Runs
@@ -114,10 +112,8 @@ runs = ex.load_runs(ROOT, PAPER)
 COLUMNS = ["rl/accuracy", "rl/mean_reward", "train/reward/outcome_mean",
            "train/reward/reasoning_mean"]
 SECTIONS = {"Main comparison": MAIN, "Ablations (Table 5)": ABLATIONS}
-TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
-                     for title, arms in SECTIONS.items())
-(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
-(ROOT / PAPER / "tables.md").write_text(f"## AWPO ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+TABLES = ex.write_tables(runs, ROOT / PAPER, f"AWPO ({SCALE})",
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
 ex.show(TABLES)
 
 # %%

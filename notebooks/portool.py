@@ -85,9 +85,7 @@ WEIGHTING = [PORTOOL] + [
 G_RULE = [PORTOOL] + [
     ex.Arm(f"g_{rule}", "portool", {"algo.estimator_kwargs.g_rule": rule}, seeds=SEEDS)
     for rule in ("max", "avg", "mix2")]
-ARMS = ex.unique_arms(MAIN, GAMMA, WEIGHTING, G_RULE)
-ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
-print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+ARMS = ex.checked_arms(SCALE, MAIN, GAMMA, WEIGHTING, G_RULE)  # all validated first
 
 # %% [markdown]
 # ## Runs
@@ -113,10 +111,8 @@ COLUMNS = ["rl/accuracy", "rl/avg_tool_steps", "rl/unanswerable_rate",
 SECTIONS = {"Main comparison": MAIN, "Discount γ (default 0.95)": GAMMA,
             "Advantage weighting (default: Theorem 3.1)": WEIGHTING,
             "Step-reward rule G (default: adaptive)": G_RULE}
-TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
-                     for title, arms in SECTIONS.items())
-(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
-(ROOT / PAPER / "tables.md").write_text(f"## PORTool ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+TABLES = ex.write_tables(runs, ROOT / PAPER, f"PORTool ({SCALE})",
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
 ex.show(TABLES)
 
 # %%

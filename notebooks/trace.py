@@ -89,9 +89,7 @@ STAGES = [
     TRACE,
     ex.Arm("running_mean", "trace:predictor=running_mean", seeds=SEEDS),
 ]
-ARMS = ex.unique_arms(MAIN, STAGES)
-ex.check_arms(ARMS, SCALE)  # every arm's config validates before anything runs
-print(f"{len(ARMS)} arms: {', '.join(a.name for a in ARMS)}")
+ARMS = ex.checked_arms(SCALE, MAIN, STAGES)  # all validated first
 
 # %% [markdown]
 # ## Runs
@@ -116,10 +114,8 @@ runs = ex.load_runs(ROOT, PAPER)
 COLUMNS = ["rl/accuracy", "train/reward/outcome_mean", "train/trace/effective_ratio",
            "train/rollout/policy_tokens"]
 SECTIONS = {"Main comparison (6 leaves per prompt)": MAIN, "Stage ablations": STAGES}
-TABLES = "\n\n".join(f"### {title}\n\n{ex.summary_table(runs, COLUMNS, arms)}"
-                     for title, arms in SECTIONS.items())
-(ROOT / PAPER).mkdir(parents=True, exist_ok=True)
-(ROOT / PAPER / "tables.md").write_text(f"## TRACE ({SCALE})\n\n{TABLES}\n", encoding="utf-8")
+TABLES = ex.write_tables(runs, ROOT / PAPER, f"TRACE ({SCALE})",
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
 ex.show(TABLES)
 
 # %%

@@ -193,12 +193,13 @@ RESUMABLE_FIELDS = ("num_steps", "eval_every_steps", "ckpt_every_steps", "keep_c
                     "profile", "distributed", "rollout.worker_timeout_s", "rollout.vllm_python")
 
 
-def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+def flatten_dotted(values: Any, prefix: str = "") -> dict[str, Any]:
+  """A nested dict as {"a.b.c": leaf}."""
   if not isinstance(values, dict):
     return {prefix: values}
   out: dict[str, Any] = {}
   for k, v in values.items():
-    out.update(_flatten(v, f"{prefix}{k}."))
+    out.update(flatten_dotted(v, f"{prefix}{k}."))
   return {k.rstrip("."): v for k, v in out.items()}
 
 
@@ -212,7 +213,7 @@ def write_run_config(workdir: pathlib.Path, values: dict[str, Any], resuming: bo
   path = workdir / "config.json"
   text = json.dumps(values, indent=2, default=str, sort_keys=True)
   if resuming and path.exists() and not allow_change:
-    old, new = _flatten(json.loads(path.read_text())), _flatten(json.loads(text))
+    old, new = flatten_dotted(json.loads(path.read_text())), flatten_dotted(json.loads(text))
     changed = sorted(k for k in old if old[k] != new.get(k, old[k]) and not any(
         k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS))
     if changed:

@@ -97,6 +97,15 @@ def unique_arms(*groups: Sequence[Arm]) -> list[Arm]:
   return list(out.values())
 
 
+def checked_arms(scale: str, *groups: Sequence[Arm]) -> list[Arm]:
+  """`unique_arms` of the groups, each validated at `scale` (`check_arms`) before anything
+  runs, and listed."""
+  arms = unique_arms(*groups)
+  check_arms(arms, scale)
+  print(f"{len(arms)} arms: {', '.join(a.name for a in arms)}")
+  return arms
+
+
 def get_scale(default: str = "cpu") -> str:
   """The notebook's scale: $TREE_RL_NOTEBOOK_SCALE, else `default`."""
   scale = os.environ.get(SCALE_ENV, "") or default
@@ -234,26 +243,17 @@ def _jsonable(values: Any) -> Any:
   return json.loads(json.dumps(values, default=str, sort_keys=True))
 
 
-def _flatten(values: Any, prefix: str = "") -> dict[str, Any]:
-  if not isinstance(values, dict):
-    return {prefix: values}
-  out: dict[str, Any] = {}
-  for k, v in values.items():
-    out.update(_flatten(v, f"{prefix}{k}."))
-  return {k.rstrip("."): v for k, v in out.items()}
-
-
 def config_changes(path: str | pathlib.Path, config: Any) -> list[str]:
   """The keys whose value in the run's saved config.json differs from `config` (what
   checkpoint.write_run_config would call a different experiment: resumable fields such as
   eval cadence do not count, nor keys the saved file lacks)."""
-  from tree_rl.checkpoint import RESUMABLE_FIELDS  # noqa: PLC0415
+  from tree_rl.checkpoint import RESUMABLE_FIELDS, flatten_dotted  # noqa: PLC0415
 
   saved_path = pathlib.Path(path) / "config.json"
   if not saved_path.is_file():
     return []
-  saved = _flatten(json.loads(saved_path.read_text(encoding="utf-8")))
-  new = _flatten(_jsonable(config.to_dict()))
+  saved = flatten_dotted(json.loads(saved_path.read_text(encoding="utf-8")))
+  new = flatten_dotted(_jsonable(config.to_dict()))
   return sorted(k for k in saved if k in new and saved[k] != new[k] and not any(
       k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS))
 
@@ -670,6 +670,18 @@ def plot_columns(runs: Sequence[Run], columns: Sequence[str], path: str | pathli
   if ax.get_legend_handles_labels()[0]:
     ax.legend(fontsize=8)
   return _save(plt, fig, path)
+
+
+def write_tables(runs: Sequence[Run], folder: str | pathlib.Path, heading: str,
+                 sections: Mapping[str, tuple[Sequence[Arm], Sequence[str]]]) -> str:
+  """One `summary_table` per section ({title: (arms, columns)}) under `heading`, written to
+  `<folder>/tables.md`; returns the sections' markdown."""
+  tables = "\n\n".join(f"### {title}\n\n{summary_table(runs, columns, arms)}"
+                       for title, (arms, columns) in sections.items())
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  (folder / "tables.md").write_text(f"## {heading}\n\n{tables}\n", encoding="utf-8")
+  return tables
 
 
 def show(item: str | pathlib.Path) -> None:
