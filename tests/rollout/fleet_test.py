@@ -206,7 +206,10 @@ def test_a_silent_ray_worker_is_restarted_and_its_chunk_resent(ray_local, spec_a
   import time  # noqa: PLC0415
 
   spec, model = spec_and_model
-  timeout_s = 20.0  # well above a chunk's time on a fresh actor (engine build + compile)
+  # Well above a chunk's time on a fresh actor (engine build, then a compile per decode
+  # width the chunk passes through), also on a loaded 2-core CI machine: at 20 s the
+  # replacement was once itself timed out there (2 restarts).
+  timeout_s = 45.0
 
   class Silent(fleet_lib.Worker):
     """A worker that never answers a rollout (test-only: a hung sandbox or network)."""

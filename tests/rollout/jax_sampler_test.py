@@ -240,18 +240,60 @@ def test_bad_requests_fail_clearly(model):
     SamplingParams(top_p=0.0)
 
 
-def test_blockwise_cache_attention_equals_the_dense_form():
+def _tiled(k, v, block):
+  """Slot-major [R, S, Hk, Dh] keys and values in `KVCache`'s tiled layout."""
+  r, s_len, hk, dh = k.shape
+  k = k.reshape(r, s_len // block, block, hk, dh)
+  return k.transpose(0, 3, 1, 4, 2), v.reshape(k.shape).transpose(0, 3, 1, 2, 4)
+
+
+def test_cache_attention_equals_a_float64_softmax_at_any_block_size():
   from tree_rl.models.attention import cached_attention
 
   keys = jax.random.split(jax.random.key(0), 3)
   q = jax.random.normal(keys[0], (3, 5, 4, 16))
-  kc = jax.random.normal(keys[1], (3, 1024, 2, 16))
-  vc = jax.random.normal(keys[2], (3, 1024, 2, 16))
+  k = jax.random.normal(keys[1], (3, 1024, 2, 16))
+  v = jax.random.normal(keys[2], (3, 1024, 2, 16))
   # Rows at different depths: the loop stops at the deepest query's block.
   slot = jnp.asarray([[10, 11, 12, 13, 14], [300, 301, 302, 303, 304], [700, 701, 702, 703, 1023]])
-  blocked = cached_attention(q, kc, vc, slot, block=256)
-  dense = cached_attention(q, kc, vc, slot, block=4096)  # s_len <= block: the dense path
-  np.testing.assert_allclose(np.asarray(blocked), np.asarray(dense), atol=1e-5)
+  rows = np.asarray([2, 0, 1])  # work rows read cache rows in another order
+  qn, kn, vn, sn = (np.asarray(a, np.float64) for a in (q, k, v, slot))
+  want = np.zeros(q.shape)
+  for w in range(3):
+    for t in range(5):
+      for h in range(4):
+        kv = h // 2  # 4 query heads over 2 kv heads
+        n = int(sn[w, t]) + 1
+        sc = kn[rows[w], :n, kv] @ qn[w, t, h] / 4.0  # 1/sqrt(16)
+        p = np.exp(sc - sc.max())
+        want[w, t, h] = (p / p.sum()) @ vn[rows[w], :n, kv]
+  for block in (64, 256, 1024):  # 1024: one block holds every slot
+    kc, vc = _tiled(k, v, block)
+    got = cached_attention(q, kc, vc, slot, rows=jnp.asarray(rows))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, err_msg=f"block {block}")
+  kc, vc = _tiled(k[rows], v[rows], 256)
+  np.testing.assert_allclose(np.asarray(cached_attention(q, kc, vc, slot)), want, atol=1e-5)
+
+
+def test_copy_slots_moves_only_the_kept_prefix_and_reads_before_it_writes():
+  from tree_rl.models.decoder import KVCache
+  from tree_rl.rollout.jax_sampler import _copy_slots
+
+  r, s_len, hk, dh = 4, 256, 2, 8
+  k = jax.random.normal(jax.random.key(1), (r, s_len, hk, dh))
+  v = jax.random.normal(jax.random.key(2), (r, s_len, hk, dh))
+  kc, vc = _tiled(k, v, 64)
+  cache = KVCache((kc,), (vc,))
+  # Row 1 is entry 0's destination and entry 1's source; entry 2 is padding (dst R).
+  src, dst, n = jnp.asarray([0, 1, 2]), jnp.asarray([1, 3, r]), jnp.asarray([70, 130, 200])
+  out = _copy_slots(cache, src, dst, n)
+  kn, vn = np.asarray(k), np.asarray(v)
+  want_k, want_v = kn.copy(), vn.copy()
+  want_k[1, :70], want_v[1, :70] = kn[0, :70], vn[0, :70]
+  want_k[3, :130], want_v[3, :130] = kn[1, :130], vn[1, :130]  # row 1 as it was
+  tk, tv = _tiled(jnp.asarray(want_k), jnp.asarray(want_v), 64)
+  np.testing.assert_array_equal(np.asarray(out.k[0]), np.asarray(tk))
+  np.testing.assert_array_equal(np.asarray(out.v[0]), np.asarray(tv))
 
 
 def test_lora_is_merged_once_and_samples_the_unmerged_policy():
@@ -293,3 +335,27 @@ def test_more_requests_than_rows_stream_through_freed_rows(model):
   for c, n, r in zip(ctxs, budgets, res):
     assert r.tokens == _argmax_decode(model, c, n) and r.finish_reason == "length"
   assert eng.stats["generated_tokens"] == sum(budgets)
+
+
+def test_decoding_narrows_to_the_live_requests_and_samples_the_same(model, monkeypatch):
+  # Four slots; three requests end after 2 tokens, one runs 12. Decoding stops when
+  # one slot is left live, goes on in a 1-slot state, and every request samples what
+  # it samples alone (seeded requests: the same stream whatever the batch or slot).
+  widths = []
+  compact = jax_sampler._compact
+  monkeypatch.setattr(jax_sampler, "_compact",
+                      lambda st, keep: widths.append(len(keep)) or compact(st, keep))
+  ctxs = [_ctx(40 + i, 6 + i) for i in range(4)]
+  budgets = [2, 12, 2, 2]
+  reqs = [GenerationRequest(c, SamplingParams(temperature=1.0, max_new_tokens=n), seed=i)
+          for i, (c, n) in enumerate(zip(ctxs, budgets))]
+  together = JaxSampler(model, rows=4, slots=64, seed=3).generate(reqs)
+  assert widths == [1]
+  for req, got in zip(reqs, together):
+    alone = JaxSampler(model, rows=4, slots=64, seed=3).generate([req])[0]
+    assert got.tokens == alone.tokens and len(got.tokens) == req.params.max_new_tokens
+    np.testing.assert_allclose(got.logprobs, alone.logprobs, atol=1e-5)
+  greedy = [GenerationRequest(c, SamplingParams(temperature=0.0, max_new_tokens=n))
+            for c, n in zip(ctxs, budgets)]
+  for c, n, r in zip(ctxs, budgets, JaxSampler(model, rows=4, slots=64).generate(greedy)):
+    assert r.tokens == _argmax_decode(model, c, n)

@@ -346,60 +346,52 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
 
 
 def cached_attention(
-    q: Float[Array, "W T H Dh"], k_cache: Float[Array, "R S Hk Dh"],
-    v_cache: Float[Array, "R S Hk Dh"], q_slot: Int[Array, "W T"], block: int = 256,
+    q: Float[Array, "W T H Dh"], k_cache: Float[Array, "R Hk NB Dh B"],
+    v_cache: Float[Array, "R Hk NB B Dh"], q_slot: Int[Array, "W T"],
     rows: Int[Array, "W"] | None = None,
 ) -> Float[Array, "W T H Dh"]:
-  """Attention of new tokens over a per-row KV cache (the sampler's path).
+  """Attention of new tokens over a per-row, tiled KV cache (the sampler's path).
 
   Work row w reads cache row rows[w] (row w without `rows`), which holds one
   linear context in slots 0..; the query at slot `q_slot[w, t]` sees slots
   0..q_slot[w, t] (its own key included, which the caller wrote before
-  calling). Keys are visited in blocks of `block` slots with an online softmax,
-  and only up to the highest query slot: the loop's trip count is dynamic, so
-  a decode step costs O(context length), not O(S). Each block is gathered
-  straight from the cache rows, so no row is copied whole.
+  calling). The cache is cut into blocks of B slots (`KVCache`): block j of
+  every row is `cache[:, :, j]`, its work rows are gathered, and a kv head's G
+  query heads times T tokens meet it as one [G*T, Dh] x [Dh, B] product and
+  one [G*T, B] x [B, Dh] product back, with an online softmax across blocks.
+  Only blocks up to the highest query slot are visited: the loop's trip count
+  is dynamic, so a decode step costs O(context length), not O(S).
   """
   w, t, h, d = q.shape
-  s_len, hk = k_cache.shape[-3], k_cache.shape[-2]
-  qg = _grouped(q, hk)
-  scale = 1.0 / math.sqrt(d)
-  if s_len % block or s_len <= block:
-    if rows is not None:
-      k_cache, v_cache = k_cache[rows], v_cache[rows]
-    mask = jnp.arange(s_len)[None, None, :] <= q_slot[:, :, None]  # [W, T, S]
-    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, k_cache.astype(q.dtype),
-                    preferred_element_type=jnp.float32)
-    sc = jnp.where(mask[:, None, None], sc * scale, _NEG)
-    p = jax.nn.softmax(sc, axis=-1)
-    out = jnp.einsum("rkgts,rskd->rtkgd", p.astype(v_cache.dtype), v_cache)
-    return out.reshape(q.shape).astype(q.dtype)
-
+  hk, nb, b = v_cache.shape[1], v_cache.shape[2], v_cache.shape[3]
   g = h // hk
+  # [W, Hk, G*T, Dh]: query (g, t) of kv head k at index g*T + t.
+  qg = _grouped(q, hk).transpose(0, 2, 3, 1, 4).reshape(w, hk, g * t, d)
+  qs = jnp.broadcast_to(q_slot[:, None, :], (w, g, t)).reshape(w, 1, g * t, 1)
+  scale = 1.0 / math.sqrt(d)
 
-  def take(cache, j):  # slots j*block .. (j+1)*block - 1 of every work row: [W, block, Hk, Dh]
+  def take(cache, j):  # block j of every work row: [W, Hk, Dh, B] keys, [W, Hk, B, Dh] values
     if rows is None:
-      return lax.dynamic_slice_in_dim(cache, j * block, block, axis=1).astype(q.dtype)
-    return cache[rows[:, None], (j * block + jnp.arange(block))[None, :]].astype(q.dtype)
+      return lax.dynamic_index_in_dim(cache, j, axis=2, keepdims=False)
+    return cache[rows, :, j]
 
   def body(j, carry):
     m, l, acc = carry
     kb, vb = take(k_cache, j), take(v_cache, j)
-    sc = jnp.einsum("rtkgd,rskd->rkgts", qg, kb, preferred_element_type=jnp.float32) * scale
-    mask = (j * block + jnp.arange(block))[None, None, :] <= q_slot[:, :, None]  # [W, T, blk]
-    sc = jnp.where(mask[:, None, None], sc, _NEG)
+    sc = jnp.einsum("wkqd,wkdn->wkqn", qg, kb.astype(q.dtype),
+                    preferred_element_type=jnp.float32) * scale
+    mask = (j * b + jnp.arange(b))[None, None, None, :] <= qs
+    sc = jnp.where(mask, sc, _NEG)
     m_new = jnp.maximum(m, sc.max(-1))
-    p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
+    p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)
     corr = jnp.exp(m - m_new)
-    l = l * corr + p.sum(-1)
-    pv = jnp.einsum("rkgts,rskd->rtkgd", p.astype(vb.dtype), vb,
-                    preferred_element_type=jnp.float32)
-    acc = acc * jnp.moveaxis(corr, -1, 1)[..., None] + pv
-    return m_new, l, acc
+    pv = jnp.einsum("wkqn,wknd->wkqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
-  n_blocks = (jnp.max(q_slot) + block) // block  # blocks holding slots 0..max(q_slot)
-  init = (jnp.full((w, hk, g, t), _NEG, jnp.float32), jnp.zeros((w, hk, g, t), jnp.float32),
-          jnp.zeros((w, t, hk, g, d), jnp.float32))
-  _, l, acc = lax.fori_loop(0, jnp.minimum(n_blocks, s_len // block), body, init)
-  out = acc / jnp.maximum(jnp.moveaxis(l, -1, 1), 1e-30)[..., None]
-  return out.reshape(q.shape).astype(q.dtype)
+  n_blocks = jnp.minimum(jnp.max(q_slot) // b + 1, nb)  # blocks holding slots 0..max(q_slot)
+  init = (jnp.full((w, hk, g * t), _NEG, jnp.float32), jnp.zeros((w, hk, g * t), jnp.float32),
+          jnp.zeros((w, hk, g * t, d), jnp.float32))
+  _, l, acc = lax.fori_loop(0, n_blocks, body, init)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]  # no visible key -> 0
+  out = out.reshape(w, hk, g, t, d).transpose(0, 3, 1, 2, 4)
+  return out.reshape(w, t, h, d).astype(q.dtype)

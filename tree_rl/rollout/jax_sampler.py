@@ -21,6 +21,10 @@ needs is read, copied or written:
     the finished slots' tokens, admits waiting requests into them, and decoding
     goes on (continuous batching: no finished row idles until the slowest ends,
     and more requests than rows run as one stream, not chunk after chunk).
+    With nothing waiting, decoding also stops once at most half the slots are
+    live; the host compacts the live slots into a state half as wide (or
+    narrower) and decoding goes on there, so the tail of a call, where a few
+    long requests outlive the rest, runs on few rows.
 
 Each slot carries its own request's state (step, length, sampling knobs, key),
 so a request samples the same tokens whichever slot, batch or admission it gets.
@@ -198,24 +202,29 @@ def _invert_cdf(weights: Float[Array, "R V"], u: Float[Array, "R"], block: int =
 
 
 def _copy_slots(cache: KVCache, src: Int[Array, "A"], dst: Int[Array, "A"],
-                n: Int[Array, "A"], block: int) -> KVCache:
+                n: Int[Array, "A"]) -> KVCache:
   """Copy slots [0, n[a]) of cache row src[a] to row dst[a], in every layer, in place.
 
-  Block by block up to max(n): only the kept prefix moves, never whole rows.
-  Each block is read from every source before it is written, so a row may be
-  one entry's source and another's destination.
+  Cache block by cache block up to max(n): only the kept prefix moves, never
+  whole rows. Block j of every row is one slice of the tiled cache
+  (`KVCache`); its rows are updated as whole rows, sources read before any
+  destination is written (so a row may be one entry's source and another's
+  destination), and it is written back in place. Entries whose dst is R
+  (padding) write nothing.
   """
-  r, s_len = cache.rows, cache.slots
-  block = min(block, s_len)
+  r, b = cache.rows, cache.block
+
+  def move(c, j, keys):  # block j of the entries' rows: [A, Hk, Dh, B] keys, [A, Hk, B, Dh] values
+    keep = (j * b + jnp.arange(b))[None, :] < n[:, None]  # [A, B]
+    keep = keep[:, None, None, :] if keys else keep[:, None, :, None]
+    new = jnp.where(keep, c[jnp.minimum(src, r - 1), :, j], c[jnp.minimum(dst, r - 1), :, j])
+    return c.at[dst, :, j].set(new, mode="drop")
 
   def body(j, kv):
     ks, vs = kv
-    sl = (j * block + jnp.arange(block))[None, :]
-    to = jnp.where(sl < n[:, None], dst[:, None], r)  # row R: dropped
-    copy = lambda c: c.at[to, sl].set(c[src[:, None], jnp.minimum(sl, s_len - 1)], mode="drop")
-    return tuple(map(copy, ks)), tuple(map(copy, vs))
+    return tuple(move(c, j, True) for c in ks), tuple(move(c, j, False) for c in vs)
 
-  n_blocks = (jnp.max(n) + block - 1) // block
+  n_blocks = (jnp.max(n) + b - 1) // b
   return KVCache(*lax.fori_loop(0, n_blocks, body, (cache.k, cache.v)))
 
 
@@ -226,15 +235,14 @@ class SamplerLoop:
   model: CachedDecoder
   max_new_tokens: int
   eos_ids: tuple[int, ...]
-  copy_block: int = 64
 
   def admit(self, weights: SamplingWeights, cache: KVCache, st: SamplerState, adm: Admission,
             rng: Array) -> tuple[KVCache, SamplerState]:
-    cache = _copy_slots(cache, adm.src_row, adm.row, adm.copy_len, self.copy_block)
+    cache = _copy_slots(cache, adm.src_row, adm.row, adm.copy_len)
     last, cache = self._prefill(weights, cache, adm)
     logits = self.model.logits(weights, last)
     # Forks copy their lead's context (KV and next-token logits).
-    cache = _copy_slots(cache, adm.lead_row, adm.row, adm.fork_len, self.copy_block)
+    cache = _copy_slots(cache, adm.lead_row, adm.row, adm.fork_len)
     put = lambda buf, x: buf.at[adm.slot].set(x, mode="drop")
     st = SamplerState(
         row=put(st.row, adm.row), done=put(st.done, False), reason=put(st.reason, 0),
@@ -271,9 +279,10 @@ class SamplerLoop:
     return lax.fori_loop(0, adm.n_steps, step, (cache, last))[::-1]
 
   def decode(self, weights: SamplingWeights, cache: KVCache, st: SamplerState,
-             stop_seqs: Int[Array, "NS MS"], waiting: Bool[Array, ""]
+             stop_seqs: Int[Array, "NS MS"], waiting: Bool[Array, ""], shrink_at: Int[Array, ""]
              ) -> tuple[KVCache, SamplerState]:
-    """Decode until every slot is done, or (with requests `waiting`) until one more is."""
+    """Decode until every slot is done, or (with requests `waiting`) until one more is, or
+    until at most `shrink_at` slots are live (the host then compacts them into fewer)."""
     s_len, m = cache.slots, self.max_new_tokens
     w = st.done.shape[0]
     eos = jnp.asarray(self.eos_ids if self.eos_ids else (-3,), jnp.int32)
@@ -281,7 +290,8 @@ class SamplerLoop:
 
     def cond(carry):
       st = carry[1]
-      return ~jnp.all(st.done) & ~(waiting & jnp.any(st.done & ~done0))
+      live = jnp.sum(~st.done)
+      return (live > 0) & ~(waiting & jnp.any(st.done & ~done0)) & (live > shrink_at)
 
     def body(carry):
       cache, st = carry
@@ -321,8 +331,14 @@ def _admit_program(loop: SamplerLoop, weights, cache, state, adm, rng):
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _decode_program(loop: SamplerLoop, weights, cache, state, stop_seqs, waiting):
-  return loop.decode(weights, cache, state, stop_seqs, waiting)
+def _decode_program(loop: SamplerLoop, weights, cache, state, stop_seqs, waiting, shrink_at):
+  return loop.decode(weights, cache, state, stop_seqs, waiting, shrink_at)
+
+
+@jax.jit
+def _compact(state: SamplerState, keep: Int[Array, "W2"]) -> SamplerState:
+  """The slots `keep`, in that order, as a narrower state (each carries its whole request)."""
+  return jax.tree.map(lambda x: x[keep], state)
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -427,8 +443,12 @@ class JaxSampler:
         for k, i, d in zip(free, batch, dest):
           slot_req[k], slot_row[k] = i, d
         self.cache, state = _admit_program(loop, self.weights, self.cache, state, adm, self.rng)
+      # With nothing waiting, decoding stops early once at most half the slots are live,
+      # and the live ones go on in a state half as wide (a finished slot would otherwise
+      # run every layer until the slowest request of the call ends).
+      shrink_at = -1 if queue else w // 2
       self.cache, state = _decode_program(loop, self.weights, self.cache, state, stop_seqs,
-                                          jnp.asarray(bool(queue)))
+                                          jnp.asarray(bool(queue)), jnp.asarray(shrink_at))
       done, reason, tokens, logprobs, entropies = jax.device_get(
           (state.done, state.reason, state.tokens, state.logprobs, state.entropies))
       for k in range(w):
@@ -441,6 +461,12 @@ class JaxSampler:
         self.row_tokens[slot_row[k]] = np.concatenate(
             [np.asarray(req.tokens, np.int32), np.asarray(results[i].tokens, np.int32)])
         slot_req[k] = -1
+      live = [k for k in range(w) if slot_req[k] >= 0]
+      if not queue and live and len(live) <= w // 2:
+        w = _bucket(len(live), 1)
+        keep = live + [k for k in range(len(slot_req)) if slot_req[k] < 0][:w - len(live)]
+        state = _compact(state, jnp.asarray(keep, jnp.int32))
+        slot_req, slot_row = [slot_req[k] for k in keep], [slot_row[k] for k in keep]
     return results  # type: ignore[return-value]
 
   # ------------------------------------------------------------------------
