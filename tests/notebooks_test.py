@@ -311,6 +311,10 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
       "arm.json", "config.json", "eval_rl.json", "metrics.jsonl", "phases.txt"]
   meta = json.loads((folder / "arm.json").read_text())
   assert (meta["arm"], meta["seed"], meta["scale"], meta["steps"]) == ("grpo", 0, "smoke", 2)
+  # Where it ran, for RESULTS.md: this clone's commit (a hex id, +dirty with local changes)
+  # and the machine.
+  assert re.fullmatch(r"([0-9a-f]{12}(\+dirty)?|unknown)", meta["commit"]), meta["commit"]
+  assert "CPU cores" in meta["hardware"] and "jax" in meta["hardware"]
 
   again = ex.run_arm("p", arm, 0, "smoke", tmp_path)  # finished: not run again
   assert calls == ["grpo_s0"] and again.final == run.final

@@ -30,6 +30,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -233,6 +234,26 @@ def run_dir(root: str | pathlib.Path, paper: str, arm: str, seed: int) -> pathli
   return pathlib.Path(root) / paper / f"{arm}_s{int(seed)}"
 
 
+def provenance() -> dict[str, str]:
+  """Where a run ran: tree_rl's git commit (with "+dirty" for uncommitted changes, "unknown"
+  outside a git clone), and the machine (JAX backend, device kind and count, CPU cores)."""
+  import jax  # noqa: PLC0415
+
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True,
+                                    text=True, timeout=10, check=True).stdout.strip()
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if git("status", "--porcelain", "--untracked-files=no"):
+      commit += "+dirty"
+  except (OSError, subprocess.SubprocessError):
+    commit = "unknown"
+  dev = jax.devices()[0]
+  return {"commit": commit,
+          "hardware": f"{jax.default_backend()} {dev.device_kind} x{jax.device_count()}, "
+                      f"{os.cpu_count()} CPU cores, jax {jax.__version__}"}
+
+
 def is_finished(path: str | pathlib.Path) -> bool:
   """A run `run_arm` completed: its arm.json is written after the final eval and the
   clean-up, so an interrupted run never has one."""
@@ -331,7 +352,8 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
     prune(path)
   record = {"paper": paper, "arm": arm.name, "seed": int(seed), "scale": scale,
             "config": arm.config, "overrides": _jsonable(dict(arm.overrides)),
-            "steps": steps, "wall_s": round(time.perf_counter() - started, 1)}
+            "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
+            **provenance()}
   tmp = path / (FINISHED_MARKER + ".tmp")
   tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
   tmp.replace(path / FINISHED_MARKER)
