@@ -338,6 +338,7 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   _setup_process()
   from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
 
+  where = provenance()  # at the start: the code that trains, not a later edit
   started = time.perf_counter()
   print(f"=== {paper}/{path.name} ({scale})", flush=True)
   out = train_and_evaluate(config, str(path))
@@ -352,8 +353,7 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
     prune(path)
   record = {"paper": paper, "arm": arm.name, "seed": int(seed), "scale": scale,
             "config": arm.config, "overrides": _jsonable(dict(arm.overrides)),
-            "steps": steps, "wall_s": round(time.perf_counter() - started, 1),
-            **provenance()}
+            "steps": steps, "wall_s": round(time.perf_counter() - started, 1), **where}
   tmp = path / (FINISHED_MARKER + ".tmp")
   tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
   tmp.replace(path / FINISHED_MARKER)
