@@ -127,6 +127,13 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
     assert all(re.fullmatch(r"-?\d+\.\d{3}|–", c) for c in cells), row[0]
   assert {p.name for p in (tmp_path / paper).iterdir() if p.is_dir()} == {
       f"{arm}_s0" for arm in SMOKE_ARMS[paper]}
+  # Arms of one preset shared their base eval and SFT: each arm names its warm start, and
+  # .warm_starts/ holds those and no others.
+  warm_keys = {json.loads((tmp_path / paper / f"{arm}_s0" / "arm.json").read_text())
+               .get("warm_start", {}).get("key") for arm in SMOKE_ARMS[paper]} - {None}
+  warm_root = tmp_path / ".warm_starts"
+  assert warm_keys == ({p.name for p in warm_root.iterdir()} if warm_root.is_dir() else set())
+  assert len(warm_keys) < len(SMOKE_ARMS[paper]) or paper == "trace"
   tables = (tmp_path / paper / "tables.md").read_text(encoding="utf-8")
   assert f"| {SMOKE_ARMS[paper][0]} | 1 |" in tables
   pngs = list((tmp_path / paper).glob("*.png"))
@@ -303,7 +310,7 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
   monkeypatch.setattr(ex, "_setup_process", lambda: None)  # no global JAX settings in tests
-  arm = ex.Arm("grpo", "grpo")
+  arm = ex.Arm("grpo", "grpo", {"sft.steps": 0})  # no SFT: no warm start (see below)
   run = ex.run_arm("p", arm, 0, "smoke", tmp_path)
   folder = tmp_path / "p" / "grpo_s0"
   assert calls == ["grpo_s0"] and run.finished and run.final["rl/accuracy"] == 0.5
@@ -319,7 +326,7 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
   again = ex.run_arm("p", arm, 0, "smoke", tmp_path)  # finished: not run again
   assert calls == ["grpo_s0"] and again.final == run.final
   assert capsys.readouterr().err == ""
-  changed = ex.Arm("grpo", "grpo", {"optim.lr": 1e-3})  # another config: warned, kept
+  changed = ex.Arm("grpo", "grpo", {"sft.steps": 0, "optim.lr": 1e-3})  # warned, kept
   assert ex.run_arm("p", changed, 0, "smoke", tmp_path).final == run.final
   assert calls == ["grpo_s0"] and "optim.lr" in capsys.readouterr().err
 
@@ -333,9 +340,90 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
   assert not ex.is_finished(stopped) and (stopped / "checkpoints").is_dir()
   del stop_at["step"]
   assert ex.run_arm("p", arm, 1, "smoke", tmp_path).finished  # the next call resumes it
-  assert [r.seed for r in ex.run_arms("p", [ex.Arm("grpo", "grpo", seeds=(0, 1, 2))], "smoke",
-                                       tmp_path)] == [0]  # smoke: the first seed only
+  three = ex.Arm("grpo", "grpo", {"sft.steps": 0}, seeds=(0, 1, 2))
+  assert [r.seed for r in ex.run_arms("p", [three], "smoke", tmp_path)] == [0]  # smoke: 1 seed
   # Re-plotting only: the finished runs' records, none for the others, nothing trained.
-  replot = ex.run_arms("p", [ex.Arm("grpo", "grpo", seeds=(0, 1, 2))], "cpu", tmp_path,
-                       replot_only=True)
+  replot = ex.run_arms("p", [three], "cpu", tmp_path, replot_only=True)
   assert [r.seed for r in replot] == [0, 1] and len(calls) == 4
+
+
+def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, monkeypatch):
+  """The base eval, SFT and SFT eval run once per (preset, seed) in .warm_starts/; each arm
+  resumes from there and its folder gets the warm start's evals and rows ahead of its own."""
+  from tree_rl import train
+
+  calls = []
+
+  def fake_train(config, workdir):
+    work = pathlib.Path(workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    calls.append((work.name, config.resume))
+    rows = []
+    if not config.resume:  # what a run does before RL: evals and SFT
+      rows += [{"step": 0, "phase": "eval:base", "eval/accuracy": 0.0},
+               {"step": 0, "phase": "sft", "sft/loss": 1.5},
+               {"step": 0, "phase": "eval:sft", "eval/accuracy": 0.25}]
+      for stage, acc in (("base", 0.0), ("sft", 0.25)):
+        (work / f"eval_{stage}.json").write_text(json.dumps({"metrics": {"accuracy": acc}}))
+    rows += [{"step": s, "phase": "rl", "reward/outcome_mean": 0.5}
+             for s in range(1, config.num_steps + 1)]
+    if config.num_steps:
+      rows.append({"step": config.num_steps, "phase": "eval:rl", "eval/accuracy": 0.5})
+      (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (work / "checkpoints" / str(config.num_steps)).mkdir(parents=True, exist_ok=True)
+    (work / "config.json").write_text(json.dumps(config.to_dict(), default=str))
+    (work / "phases.txt").write_text("wall  3.0  100.0%\n")
+    return {"steps": config.num_steps, "eval": {"base": {}, "sft": {}}}
+
+  monkeypatch.setattr(train, "train_and_evaluate", fake_train)
+  monkeypatch.setattr(ex, "_setup_process", lambda: None)
+  grpo = ex.Arm("grpo", "grpo", {"sft.steps": 1})
+  other_rl = ex.Arm("grpo_g4", "grpo", {"sft.steps": 1, "rollout.samples_per_task": 4,
+                                        "num_steps": 3})
+  longer_sft = ex.Arm("grpo_sft2", "grpo", {"sft.steps": 2})
+  for arm in (grpo, other_rl, longer_sft):
+    ex.run_arm("p", arm, 0, "smoke", tmp_path)
+  ex.run_arm("p", grpo, 1, "smoke", tmp_path)
+  warm_runs = [name for name, resume in calls if not resume]
+  # One warm start for the first two arms at seed 0, one for the longer SFT, one for seed 1.
+  assert len(warm_runs) == 3 and len(set(warm_runs)) == 3
+  assert [name for name, resume in calls if resume] == [
+      "grpo_s0", "grpo_g4_s0", "grpo_sft2_s0", "grpo_s1"]
+  key = ex.warm_start_key(ex.build_config(grpo, 0, "smoke"))
+  assert key == ex.warm_start_key(ex.build_config(other_rl, 0, "smoke"))
+  assert key != ex.warm_start_key(ex.build_config(longer_sft, 0, "smoke"))
+  warm = tmp_path / ".warm_starts" / f"{key}_s0"
+  assert dict(calls)["grpo_s0"] == str((warm / "checkpoints").resolve())
+  assert json.loads((warm / "warm.json").read_text())["key"] == f"{key}_s0"
+  # The arm's folder reads as one whole run: evals and SFT rows first, then its RL.
+  run = ex.load_run(tmp_path / "p" / "grpo_g4_s0")
+  assert [r["phase"] for r in run.history] == [
+      "eval:base", "sft", "eval:sft", "rl", "rl", "rl", "eval:rl"]
+  assert (run.final["base/accuracy"], run.final["sft/accuracy"], run.final["rl/accuracy"]) == (
+      0.0, 0.25, 0.5)
+  assert json.loads((run.path / "arm.json").read_text())["warm_start"]["key"] == f"{key}_s0"
+  assert not (run.path / "checkpoints").exists()
+  # Grafting twice (a run interrupted after it) leaves one copy of the warm start's rows.
+  ex._graft_warm_start(run.path, warm)
+  assert len(ex.load_run(run.path).history) == 7
+  # A re-plot of the finished arm warns about nothing (its config.json names the warm start).
+  assert ex.config_changes(run.path, ex.build_config(other_rl, 0, "smoke")) == []
+  assert ex.load_runs(tmp_path, "p")[0].arm == "grpo"  # .warm_starts is not a paper's run
+
+
+def test_warm_start_key_tracks_what_the_prefix_reads():
+  base = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1}), 0, "smoke")
+  same = [{"algo.estimator": "dapo"}, {"optim.lr": 5e-4}, {"rollout.temperature": 0.7},
+          {"prompts_per_step": 8}, {"eval_every_steps": 2}]
+  differ = [{"sft.lr": 1e-3}, {"task.num_eval_tasks": 3}, {"rollout.max_new_tokens": 17},
+            {"model.lora_rank": 4}]
+  key = ex.warm_start_key(base)
+  for overrides in same + differ:
+    config = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1, **overrides}), 0, "smoke")
+    assert (ex.warm_start_key(config) == key) == (overrides in same), overrides
+  # TRACE's predictor is in the checkpoint: its settings are part of the key.
+  t1 = ex.build_config(ex.Arm("t", "trace"), 0, "smoke")
+  t2 = ex.build_config(ex.Arm("t", "trace", {"rollout.strategy_kwargs.predictor_kwargs.lr": 3e-4}),
+                       0, "smoke")
+  assert ex.warm_start_key(t1) != ex.warm_start_key(t2)

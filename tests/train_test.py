@@ -187,6 +187,25 @@ def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_pat
   assert [r["step"] for r in again["history"] if "rollout/staleness_max" in r] == [4]
 
 
+def test_zero_steps_runs_the_sft_prefix_and_another_run_resumes_from_it(tmp_path):
+  """num_steps=0: the base eval, SFT and the SFT eval, saved at step 0 (a warm start for
+  several arms, tree_rl.experiments.warm_start); a run with config.resume starts its RL from
+  there without redoing them."""
+  c = _config("apppo")  # runlocal: 1 SFT step
+  c.num_steps = 0
+  warm = train.train_and_evaluate(c, str(tmp_path / "warm"))
+  assert warm["steps"] == 0 and set(warm["eval"]) == {"base", "sft"}
+  assert [r["phase"] for r in warm["history"]] == ["eval:base", "sft", "eval:sft"]
+  assert RunCheckpointer(tmp_path / "warm" / "checkpoints").latest_step() == 0
+  assert not (tmp_path / "warm" / "eval_rl.json").exists()
+  arm = _config("apppo")
+  arm.resume = str(tmp_path / "warm" / "checkpoints")
+  out = train.train_and_evaluate(arm, str(tmp_path / "arm"))
+  assert [r["phase"] for r in out["history"]] == ["rl", "rl", "eval:rl"]
+  assert out["eval"]["sft"] == warm["eval"]["sft"]
+  assert int(out["state"].step) == 2 * arm.algo.num_minibatches  # updates from a fresh count
+
+
 def test_async_rollouts_on_two_local_workers(tmp_path):
   """max_staleness=1 with a local fleet: the workers' first weights are their own copy, so
   the producer can sample step 2 while update 1 donates the state's buffers."""

@@ -449,7 +449,7 @@ class RunConfig:
   judge: JudgeSpec
   mesh: MeshSpec = MeshSpec()
   distributed: DistributedSpec = DistributedSpec()
-  num_steps: int = 10
+  num_steps: int = 10  # RL steps; 0: base eval, SFT and the SFT eval only
   prompts_per_step: int = 4
   eval_every_steps: int = 0  # 0: only before and after training
   ckpt_every_steps: int = 5
@@ -463,7 +463,9 @@ class RunConfig:
               "mesh": MeshSpec, "distributed": DistributedSpec}
 
   def __post_init__(self):
-    _positive("", num_steps=self.num_steps, prompts_per_step=self.prompts_per_step,
+    if self.num_steps < 0:  # 0: the base eval and SFT (with its eval) only, e.g. a warm start
+      raise ValueError(f"config.num_steps={self.num_steps} must be >= 0")
+    _positive("", prompts_per_step=self.prompts_per_step,
               ckpt_every_steps=self.ckpt_every_steps, keep_checkpoints=self.keep_checkpoints)
     if self.algo.estimator == "awpo" and not self.judge.kind:
       # No silent default: the judge is half of AWPO's reward (eq. 20).

@@ -13,6 +13,14 @@ arm.json, written last, which marks the run finished. Checkpoints, TensorBoard e
 transcripts and the per-run curves PNG are deleted once the run is done (`KEEP`); an
 interrupted run keeps its checkpoints, so running its arm again resumes it.
 
+Warm starts: arms that differ only in what the RL phase reads (`RL_ONLY_FIELDS`: the
+estimator, the branching, the group size, the number of steps...) would each repeat the
+same base eval, SFT and SFT eval. `run_arm` runs that prefix once per (preset, seed) in
+`<root>/.warm_starts/<key>/` (`num_steps=0`) and starts each arm's RL from its checkpoint
+(`config.resume`); the arm's folder gets the warm start's eval files and metrics rows, so it
+reads as a whole run, and arm.json names the warm start. The cache holds checkpoints and is
+never committed.
+
 Scales (`SCALES`): smoke (the tests' tiny random model, `:runlocal`, 2 steps: proves the
 cells run, in CI), cpu (each config's own preset on SmolLM2-135M: the committed numbers)
 and gpu (a larger HF model, `GPU_MODEL_ENV`). The root defaults to `results/` for cpu,
@@ -47,6 +55,19 @@ GPU_MODEL_ENV = "TREE_RL_GPU_MODEL"
 # What a finished run keeps (file names and glob patterns); everything else is deleted.
 KEEP = ("arm.json", "config.json", "metrics.jsonl", "phases.txt", "eval_*.json")
 FINISHED_MARKER = "arm.json"
+WARM_DIR = ".warm_starts"
+WARM_MARKER = "warm.json"
+# Config fields that only the RL phase reads: arms differing only here share a warm start.
+# Anything else (model, task, SFT, eval settings, the optimizer's kind, the seed) is in the
+# key, and so are the two RL choices that shape the checkpoint: a reference model
+# (`_with_ref`) and a strategy's learned state (TRACE's predictor, `_method_state`).
+RL_ONLY_FIELDS = ("algo", "judge", "profile", "resume", "num_steps", "prompts_per_step",
+                  "eval_every_steps", "ckpt_every_steps", "keep_checkpoints", "optim.lr",
+                  "rollout.strategy", "rollout.strategy_kwargs", "rollout.samples_per_task",
+                  "rollout.dynamic_sampling", "rollout.temperature", "rollout.top_p",
+                  "rollout.top_k")
+# Strategies whose checkpoint carries learned state (`checkpoint.method_state`).
+_STATEFUL_STRATEGIES = ("trace",)
 # "train/<key>" of a run is the mean of its last TAIL_STEPS RL steps' values: one step's
 # reward is a handful of groups, too noisy to compare arms on.
 TAIL_STEPS = 5
@@ -276,7 +297,7 @@ def config_changes(path: str | pathlib.Path, config: Any) -> list[str]:
   saved = flatten_dotted(json.loads(saved_path.read_text(encoding="utf-8")))
   new = flatten_dotted(_jsonable(config.to_dict()))
   return sorted(k for k in saved if k in new and saved[k] != new[k] and not any(
-      k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS))
+      k == f or k.startswith(f + ".") for f in (*RESUMABLE_FIELDS, "resume")))
 
 
 def prune(path: str | pathlib.Path) -> None:
@@ -308,9 +329,73 @@ def _setup_process() -> None:
   _PROCESS_READY = True
 
 
+def warm_start_key(config: Any) -> str:
+  """12 hex digits naming what a run does before its first RL step: a hash of its config
+  without `RL_ONLY_FIELDS`, plus whether it keeps a reference model and which stateful
+  strategy (with its settings) it uses."""
+  import hashlib  # noqa: PLC0415
+
+  from tree_rl.checkpoint import flatten_dotted  # noqa: PLC0415
+  from tree_rl.config_types import RunConfig  # noqa: PLC0415
+
+  flat = flatten_dotted(_jsonable(config.to_dict()))
+  kept = {k: v for k, v in flat.items()
+          if not any(k == f or k.startswith(f + ".") for f in RL_ONLY_FIELDS)}
+  kept["_with_ref"] = RunConfig.from_config_dict(config).algo.loss_config().kl_coef > 0
+  if config.rollout.strategy in _STATEFUL_STRATEGIES:
+    kept["_method_state"] = [config.rollout.strategy,
+                             _jsonable(dict(config.rollout.strategy_kwargs))]
+  text = json.dumps(kept, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def warm_start(config: Any, root: str | pathlib.Path) -> pathlib.Path:
+  """The folder of `config`'s warm start under `<root>/.warm_starts/`: its base eval, SFT
+  and SFT eval, run here now (`num_steps=0`) unless a finished one is there (`warm.json`,
+  written last; an interrupted one resumes). Its `checkpoints/` holds the policy after SFT
+  with a fresh RL optimizer state, which `config.resume` restores."""
+  from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
+
+  path = pathlib.Path(root) / WARM_DIR / f"{warm_start_key(config)}_s{int(config.seed)}"
+  if (path / WARM_MARKER).is_file():
+    return path
+  warm = config.copy_and_resolve_references()
+  warm.num_steps = 0
+  where, started = provenance(), time.perf_counter()
+  print(f"=== warm start {path.name}: base eval, {config.sft.steps} SFT steps, SFT eval",
+        flush=True)
+  out = train_and_evaluate(warm, str(path))
+  if "sft" not in out["eval"]:  # a signal stopped it; its SFT progress checkpoint is kept
+    raise KeyboardInterrupt(f"the warm start {path} stopped before its SFT eval; run the "
+                            f"cell again to resume it")
+  del out
+  record = {"key": path.name, "wall_s": round(time.perf_counter() - started, 1), **where}
+  tmp = path / (WARM_MARKER + ".tmp")
+  tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+  tmp.replace(path / WARM_MARKER)
+  return path
+
+
+def _graft_warm_start(path: pathlib.Path, warm: pathlib.Path) -> None:
+  """Gives a run that resumed from `warm` the warm start's eval files and metrics rows (its
+  SFT steps, base and SFT evals) ahead of its own, so the folder reads as one whole run.
+  A folder that has them already (a graft before an interruption) is left as it is."""
+  own = path / "metrics.jsonl"
+  if any(r.get("phase") == "eval:base" for r in _read_jsonl(own)):
+    return
+  rows = own.read_text(encoding="utf-8") if own.is_file() else ""
+  for stage in ("base", "sft"):
+    if (warm / f"eval_{stage}.json").is_file():
+      shutil.copyfile(warm / f"eval_{stage}.json", path / f"eval_{stage}.json")
+  head = (warm / "metrics.jsonl").read_text(encoding="utf-8")
+  tmp = path / "metrics.jsonl.tmp"
+  tmp.write_text(head + rows, encoding="utf-8")
+  tmp.replace(path / "metrics.jsonl")
+
+
 def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Path,
             rerun: bool = False, pass_k: int = 0, keep_checkpoints: bool = False,
-            replot_only: bool = False) -> Run | None:
+            replot_only: bool = False, share_warm_start: bool = True) -> Run | None:
   """Trains and evaluates one (arm, seed) in `<root>/<paper>/<arm>_s<seed>` and returns its
   record. A finished run there is not run again unless `rerun` (then its folder is emptied
   first); its record is returned as it is, with a warning when its saved config differs
@@ -321,6 +406,9 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   keep_checkpoints: keep the checkpoints and TensorBoard events (not worth committing).
   replot_only: train nothing (regenerating tables from committed results must never start
   hours of training); returns the finished run's record, else None.
+  share_warm_start: with SFT (and no `resume` of the arm's own), run the base eval, SFT and
+  SFT eval once per preset and seed (`warm_start`) and start the RL from there; False: the
+  run does them itself.
   """
   path = run_dir(root, paper, arm.name, seed)
   config = build_config(arm, seed, scale)
@@ -338,8 +426,12 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   _setup_process()
   from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
 
+  warm = None
+  if share_warm_start and config.sft.steps and not config.resume:
+    warm = warm_start(config, root)
+    config.resume = str((warm / "checkpoints").resolve())
   where = provenance()  # at the start: the code that trains, not a later edit
-  started = time.perf_counter()
+  started = time.perf_counter()  # the warm start's own wall is in its record
   print(f"=== {paper}/{path.name} ({scale})", flush=True)
   out = train_and_evaluate(config, str(path))
   steps = out["steps"]
@@ -349,11 +441,15 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
                             f"run the cell again to resume it")
   if pass_k:
     sampled_eval(path, pass_k)
+  if warm is not None:
+    _graft_warm_start(path, warm)
   if not keep_checkpoints:
     prune(path)
   record = {"paper": paper, "arm": arm.name, "seed": int(seed), "scale": scale,
             "config": arm.config, "overrides": _jsonable(dict(arm.overrides)),
             "steps": steps, "wall_s": round(time.perf_counter() - started, 1), **where}
+  if warm is not None:
+    record["warm_start"] = _read_json(warm / WARM_MARKER)
   tmp = path / (FINISHED_MARKER + ".tmp")
   tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
   tmp.replace(path / FINISHED_MARKER)

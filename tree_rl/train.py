@@ -530,7 +530,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           timed("checkpoint", save_run, ckpt, step, state, meta, method)
         raise
 
-    if int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
+    if cfg.num_steps and int(meta["step"]) == cfg.num_steps and "rl" not in meta["eval"]:
       run_eval("rl", cfg.num_steps)  # not in a checkpoint: a relaunch of a done run redoes it
   except Stopped as e:
     logging.warning("%s", e)
