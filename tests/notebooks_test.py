@@ -266,6 +266,24 @@ def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
     ex.build_config(ex.Arm("x", "grpo:nope=1"), 0, "cpu")
 
 
+def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
+  """At the cpu scale, tool-world arms of every paper take configs/apppo.py's setup (model,
+  tasks, SFT, eval, budget) and keep their own method; so they share its warm start."""
+  appo = ex.build_config(ex.Arm("appo", "apppo"), 0, "cpu")
+  for spec in ("portool", "grpo", "dapo", "arpo:group=2"):
+    config = ex.build_config(ex.Arm("a", spec), 0, "cpu")
+    for field in ex.CPU_TOOLWORLD_FIELDS:
+      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
+    assert config.algo.estimator != "appo" and config.rollout.strategy != "appo"
+    assert ex.warm_start_key(config) == ex.warm_start_key(appo)
+  assert ex.build_config(ex.Arm("p", "portool"), 0, "cpu").rollout.strategy_kwargs.t_max == 5
+  # An arm's own override still wins; other families keep their configs' defaults.
+  assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
+  awpo = ex.build_config(ex.Arm("w", "awpo"), 0, "cpu")
+  assert awpo.task.family == "bfcl" and awpo.sft.steps == 0
+  assert ex.scale_overrides("cpu", "bfcl") == {} and ex.scale_overrides("smoke", "toolworld") == {}
+
+
 def test_scales_and_results_roots(monkeypatch):
   monkeypatch.delenv(ex.RESULTS_ENV, raising=False)
   monkeypatch.delenv(ex.SCALE_ENV, raising=False)

@@ -144,16 +144,38 @@ def scale_args(scale: str) -> str:
   return "runlocal" if scale == "smoke" else ""
 
 
-def scale_overrides(scale: str) -> dict[str, Any]:
-  """Dotted config overrides of a scale, applied after the config (and its `scale_args`)
-  and before the arm's own overrides.
+# The cpu scale's tool-world preset: these fields of configs/apppo.py (the README's main job),
+# everything but its method, are set on every tool-world arm at the cpu scale. So every
+# paper's tool-world runs share one model setup, task mix, SFT warm start, eval and budget,
+# and with them one warm start per seed (docs/notebooks.md#the-cpu-scale).
+CPU_TOOLWORLD_PRESET = "apppo"
+CPU_TOOLWORLD_FIELDS = ("model.lora_targets", "model.remat", "task.kwargs",
+                        "task.num_eval_tasks", "rollout.max_new_tokens",
+                        "rollout.max_context_tokens", "rollout.temperature", "num_steps",
+                        "prompts_per_step", "optim.lr", "sft")
+
+
+def _get(config: Any, dotted: str) -> Any:
+  for part in dotted.split("."):
+    config = config[part]
+  return config.to_dict() if hasattr(config, "to_dict") else config
+
+
+def scale_overrides(scale: str, family: str | None = None) -> dict[str, Any]:
+  """Dotted config overrides of a scale for a config of task family `family`, applied after
+  the config (and its `scale_args`) and before the arm's own overrides.
 
   smoke: none (runlocal is the tiny model, 2 steps, 2 prompts of 2 leaves, 2 eval tasks).
-  cpu: none: each config's defaults are its 2-core CPU preset on SmolLM2-135M.
+  cpu: for the tool world, `CPU_TOOLWORLD_FIELDS` of configs/apppo.py (SmolLM2-135M with an
+    SFT warm start on difficulty-1 tasks, sampled at 0.6; docs/methods/appo.md#the-cpu-preset);
+    other families: none (each config's own defaults).
   gpu: a larger HF model in bfloat16 (`gpu_model_folder`), more and larger steps, a larger
     held-out set and an eval every 10 steps for the curves.
   """
   _check_scale(scale)
+  if scale == "cpu" and family == "toolworld":
+    preset = importlib.import_module(f"configs.{CPU_TOOLWORLD_PRESET}").get_config("")
+    return {field: _get(preset, field) for field in CPU_TOOLWORLD_FIELDS}
   if scale != "gpu":
     return {}
   return {"model.name": "hf", "model.hf_folder": gpu_model_folder(), "model.dtype": "bfloat16",
@@ -230,7 +252,7 @@ def build_config(arm: Arm, seed: int, scale: str) -> Any:
   module, arg = _split_config(arm.config)
   config = importlib.import_module(f"configs.{module}").get_config(
       ",".join(filter(None, [scale_args(scale), arg])))
-  for key, value in {**scale_overrides(scale), **arm.overrides}.items():
+  for key, value in {**scale_overrides(scale, config.task.family), **arm.overrides}.items():
     _set(config, key, value)
   config.seed = int(seed)
   return config

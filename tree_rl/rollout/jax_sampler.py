@@ -215,16 +215,18 @@ def _copy_slots(cache: KVCache, src: Int[Array, "A"], dst: Int[Array, "A"],
   slicing every row's block first 140 ms.
   """
   r, b = cache.rows, cache.block
+  # Padding entries (dst = R) read row R - 1, and their writes are dropped.
+  src_rows, dst_rows = jnp.minimum(src, r - 1), jnp.minimum(dst, r - 1)
 
-  def move(c, j, keys):  # block j of the entries' rows: keys [A, Hk, Dh, B], values [A, Hk, B, Dh]
-    keep = (j * b + jnp.arange(b))[None, :] < n[:, None]  # [A, B]
-    keep = keep[:, None, None, :] if keys else keep[:, None, :, None]
-    new = jnp.where(keep, c[jnp.minimum(src, r - 1), :, j], c[jnp.minimum(dst, r - 1), :, j])
+  def move(c, j, keep):  # block j of the entries' rows: keys [A, Hk, Dh, B], values [A, Hk, B, Dh]
+    new = jnp.where(keep, c[src_rows, :, j], c[dst_rows, :, j])
     return c.at[dst, :, j].set(new, mode="drop")
 
   def body(j, kv):
     ks, vs = kv
-    return tuple(move(c, j, True) for c in ks), tuple(move(c, j, False) for c in vs)
+    keep = (j * b + jnp.arange(b))[None, :] < n[:, None]  # [A, B]: entry a keeps slot j*b + i
+    keep_k, keep_v = keep[:, None, None, :], keep[:, None, :, None]
+    return tuple(move(c, j, keep_k) for c in ks), tuple(move(c, j, keep_v) for c in vs)
 
   n_blocks = (jnp.max(n) + b - 1) // b
   return KVCache(*lax.fori_loop(0, n_blocks, body, (cache.k, cache.v)))
