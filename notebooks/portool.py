@@ -63,15 +63,18 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # ## Arms
 #
 # Main comparison (§4.2) at 4 trajectories per prompt: PORTool's tree of 4 leaves, GRPO and
-# DAPO groups of 4, and ARPO with 2 initial rollouts and a budget of 4 leaves (its budget is
-# twice its group). DAPO also rolls out extra prompts to replace groups without reward
-# spread (dynamic sampling). PORTool's defaults are γ = 0.95, the Theorem 3.1 weights and
+# DAPO groups of 4, GRPO with the formatting reward (GRPO_fm: the mean rescaled step
+# formatting score added to the outcome, docs/methods/portool.md), and ARPO with 2 initial
+# rollouts and a budget of 4 leaves (its budget is twice its group). DAPO also rolls out
+# extra prompts to replace groups without reward spread (dynamic sampling). At the cpu
+# scale every arm runs on the main job's setup (docs/notebooks.md#the-cpu-scale). PORTool's defaults are γ = 0.95, the Theorem 3.1 weights and
 # the adaptive G; each ablation varies one of them, with `portool` as its reference row.
 
 # %%
 MAIN = [
     ex.Arm("portool", "portool", seeds=SEEDS),
     ex.Arm("grpo", "grpo", seeds=SEEDS),
+    ex.Arm("grpo_fm", "grpo", {"algo.estimator_kwargs.format_reward": True}, seeds=SEEDS),
     ex.Arm("dapo", "dapo", seeds=SEEDS),
     ex.Arm("arpo", "arpo:group=2", seeds=SEEDS),
 ]

@@ -82,6 +82,31 @@ def test_grpo_hand():
                              atol=1e-5)
 
 
+def test_grpo_with_the_formatting_reward_hand():
+  """PORTool's GRPO_fm: R = outcome + mean over the path's steps of 0.25 (2 raw - 1). A step
+  split by a fork inside it counts once, at its last node (the one holding the rubric)."""
+  t = RolloutTree.new([1])
+  a = t.add_node(0, NodeKind.POLICY, [2], logprobs=[-1.0], rewards={"format": 1.0})
+  e = t.add_node(a, NodeKind.ENV, [3])
+  b = t.add_node(e, NodeKind.POLICY, [4], logprobs=[-1.0], rewards={"format": 0.5})
+  head = t.add_node(0, NodeKind.POLICY, [5], logprobs=[-1.0])  # a step forked inside
+  c = t.add_node(head, NodeKind.POLICY, [6], logprobs=[-1.0], rewards={"format": 0.0})
+  d = t.add_node(head, NodeKind.POLICY, [7], logprobs=[-1.0], rewards={"format": 1.0})
+  for node in (b, c, d):
+    t.add_leaf(node, {"outcome": 1.0 if node == b else -1.0})
+  # Formatting terms: leaf b (0.25 + 0) / 2 = 0.125, leaf c -0.25, leaf d +0.25, so
+  # R = [1.125, -1.25, -0.75]: mean -0.291667, unbiased std 1.252081.
+  r = np.array([1.125, -1.25, -0.75])
+  want = (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+  np.testing.assert_allclose(_leaf_adv("grpo", t, grpo.GRPOConfig(format_reward=True)), want,
+                             atol=5e-6)
+  plain = np.array([1.0, -1.0, -1.0])
+  np.testing.assert_allclose(_leaf_adv("grpo", t), (plain - plain.mean()) / plain.std(ddof=1),
+                             atol=5e-6)
+  with pytest.raises(ValueError, match="fm_half_range=0.0"):
+    grpo.GRPOConfig(format_reward=True, fm_half_range=0.0)
+
+
 def test_dr_grpo_and_rloo_hand():
   # Dr.GRPO: R - mean = [0.75, -0.25, -0.25, -0.25].
   np.testing.assert_allclose(_leaf_adv("dr_grpo", _flat([1, 0, 0, 0])),
@@ -271,7 +296,9 @@ def test_tree_rpo_hand():
 # ----------------------------------------------------------------------------
 
 CONFIGS = {
-    "grpo": [grpo.GRPOConfig(), grpo.GRPOConfig(std_ddof=0, reward_channels=("outcome", "format"))],
+    "grpo": [grpo.GRPOConfig(), grpo.GRPOConfig(std_ddof=0, reward_channels=("outcome", "format")),
+             grpo.GRPOConfig(format_reward=True), grpo.GRPOConfig(format_reward=True,
+                                                                 fm_half_range=1.0)],
     "dr_grpo": [grpo.DrGRPOConfig()],
     "dapo": [grpo.DAPOConfig(), grpo.DAPOConfig(max_response_tokens=8, overlong_buffer_tokens=4)],
     "rloo": [grpo.RLOOConfig()],

@@ -57,8 +57,22 @@ def policy_length(tree, path):
   return sum(len(tree.nodes[n].tokens) for n in path if tree.nodes[n].kind == NodeKind.POLICY)
 
 
+def mean_step_formatting(tree, path, half_range):
+  """PORTool's GRPO_fm term: the mean of h (2 raw - 1) over the path's steps, a step being a
+  policy node none of whose children is a policy node."""
+  steps = [n for n in path if tree.nodes[n].kind == NodeKind.POLICY and not any(
+      c.parent == n and c.kind == NodeKind.POLICY for c in tree.nodes)]
+  if not steps:
+    return 0.0
+  return sum(half_range * (2 * tree.nodes[n].rewards.get("format", 0.0) - 1)
+             for n in steps) / len(steps)
+
+
 def grpo(tree, cfg):
   r = [leaf_reward(tree, l, cfg.reward_channels) for l in tree.leaves]
+  if cfg.format_reward:
+    r = [x + mean_step_formatting(tree, path, cfg.fm_half_range)
+         for x, path in zip(r, tree.leaf_paths())]
   return per_leaf_matrix(tree, zscores(r, cfg.std_ddof, cfg.std_eps))
 
 

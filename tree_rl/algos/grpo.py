@@ -21,13 +21,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+import jax
 import jax.numpy as jnp
 
 from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice, register
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure, structure
-from tree_rl.tree.types import Array, Bool, Float
+from tree_rl.tree.types import Array, Bool, Float, NodeKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,47 @@ def tree_zscore(
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig(ZScoreConfig):
-  """GRPO (DeepSeekMath, arXiv 2402.03300): the shared z-score fields only."""
+  """GRPO (DeepSeekMath, arXiv 2402.03300): the shared z-score fields, and PORTool's GRPO_fm
+  baseline (arXiv 2510.26020, §4.1: "GRPO with the formatting reward").
+
+  format_reward: each leaf's reward also gets the mean, over the steps on its path, of the
+    rescaled formatting rubric R_fm = fm_half_range (2 raw - 1) (`path_mean_formatting`).
+    PORTool does not give GRPO_fm's scale; tree_rl uses PORTool's own step formatting reward,
+    in [-0.25, 0.25] (docs/methods/portool.md#grpo-with-the-formatting-reward).
+  fm_half_range: h of R_fm; PORTool's stated range is [-0.25, 0.25].
+  """
+
+  format_reward: bool = False
+  fm_half_range: float = 0.25
+
+  def __post_init__(self):
+    super().__post_init__()
+    if not self.fm_half_range > 0:
+      raise ValueError(f"GRPOConfig.fm_half_range={self.fm_half_range} must be > 0")
+
+
+def path_mean_formatting(batch: TreeBatch, half_range: float) -> Float[Array, "B K"]:
+  """Mean over the steps on each leaf's path of R_fm = half_range (2 raw - 1), where raw is
+  the step's formatting rubric in node channel "format"; 0 on padding leaves.
+
+  A step is a policy node with no policy child: the agent loop records a step's rubric on
+  the last node it sampled for it, and a strategy that forks inside a step (APPO, random)
+  leaves the step's earlier tokens in policy nodes whose children continue the step. Node
+  m is on leaf k's path iff m <= leaf_node[k] < subtree_end[m] (`TreeBatch.subtree_end`).
+  """
+  n = batch.parent.shape[1]
+  is_policy = batch.node_kind == NodeKind.POLICY
+  parent = jnp.where(batch.parent >= 0, batch.parent, n)  # the root's -1: dropped below
+  has_policy_child = jax.vmap(lambda p, pol: jnp.zeros(n, bool).at[p].max(pol, mode="drop"))(
+      parent, is_policy)
+  is_step = is_policy & ~has_policy_child
+  idx = jnp.arange(n)[None, :, None]
+  leaf = batch.leaf_node[:, None, :]
+  on_path = (idx <= leaf) & (leaf < batch.subtree_end[:, :, None]) & is_step[:, :, None]
+  r_fm = half_range * (2.0 * batch.node_rewards("format") - 1.0)
+  total = jnp.einsum("bn,bnk->bk", r_fm, on_path.astype(r_fm.dtype))
+  count = on_path.sum(1)
+  return jnp.where(count > 0, total / jnp.maximum(count, 1), 0.0)
 
 
 @register(AdvEstimator.GRPO, GRPOConfig)
@@ -88,6 +129,8 @@ def grpo_advantages(batch: TreeBatch, config: GRPOConfig) -> Advantages:
   """
   valid = batch.leaf_node >= 0  # a leaf value needs no tree structure
   r = batch.leaf_rewards(*config.reward_channels)
+  if config.format_reward:  # GRPO_fm
+    r = r + path_mean_formatting(batch, config.fm_half_range)
   a = tree_zscore(r, valid, ddof=config.std_ddof, eps=config.std_eps)
   return Advantages.from_leaf_values(valid, a, metrics=_group_metrics(r, valid))
 
