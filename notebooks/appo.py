@@ -67,7 +67,8 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # groups of 4 and ARPO with 2 initial rollouts and a budget of 4 (twice its group), both on
 # the same preset (SFT, 2 mini-batches). The (N, B) sweep holds M = 16 fixed. The ablations
 # change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
-# alone, App. D) is an extra the config supports.
+# alone, App. D) is an extra the config supports. The budget arm trains the main job three
+# times as long, to see whether RL moves past SFT given more steps.
 
 # %%
 APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
@@ -92,7 +93,11 @@ N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
        for n, b in ((8, 1), (4, 3), (2, 7))]
 ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
              appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
-ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS)  # all validated first
+# The RL budget: the main job's run for 15 steps, evaluated after 5, 10 and 15. The learning
+# rate is constant, so its step-5 eval is the 5-step `appo` run's final eval.
+BUDGET = [APPO, ex.Arm("appo_steps15", "apppo", {"num_steps": 15, "eval_every_steps": 5},
+                       seeds=SEEDS)]
+ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS, BUDGET)  # all validated first
 
 # %% [markdown]
 # ## Runs
@@ -112,17 +117,22 @@ if SCALE != "smoke":
 # %% [markdown]
 # ## Results
 #
-# Held-out accuracy after SFT and after RL (greedy), pass@k of the sampled final policy, the
+# Held-out accuracy after SFT and after RL (greedy) and their difference per seed (the same
+# tasks, so the seeds' SFT differences cancel), pass@k of the sampled final policy, the
 # training reward (mean of the last 5 steps) and the policy tokens sampled a step (the
-# rollout cost): mean ± std over seeds, n seeds.
+# rollout cost): mean ± std over seeds, n seeds. The budget table has the accuracy after
+# SFT and after 5, 10 and 15 RL steps.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
-COLUMNS = ["sft/accuracy", "rl/accuracy", "train/reward/outcome_mean",
+COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "train/reward/outcome_mean",
            "train/rollout/policy_tokens"]
 PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
+BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accuracy"]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
-            "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS)}
+            "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
+            "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15)":
+                (BUDGET, BUDGET_COLUMNS)}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
 
@@ -132,6 +142,8 @@ for metric in ("reward/outcome_mean", "eval/accuracy"):
                          arms=MAIN, title=f"APPO main comparison: {metric}"))
 ex.show(ex.plot_columns(runs, PASS_COLUMNS, ROOT / PAPER / "main_pass_at_k.png", arms=MAIN,
                         title="APPO main comparison: pass@k of the final policy"))
+ex.show(ex.plot_curves(runs, "eval/accuracy", ROOT / PAPER / "budget_eval_accuracy.png",
+                       arms=BUDGET, title="APPO: held-out accuracy over 15 RL steps"))
 for name, arms in (("n_b", N_B), ("ablations", ABLATIONS)):
   ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / f"ablation_{name}.png", arms=arms,
                        title=f"APPO ({name}): held-out accuracy"))

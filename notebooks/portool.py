@@ -103,14 +103,15 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # %% [markdown]
 # ## Results
 #
-# Held-out metrics of the final policy (greedy decoding; PORTool §4.1's accuracy, tool
-# steps, unanswerable rate and raw formatting score) and the training reward (mean of the
-# last 5 steps): mean ± std over seeds, n seeds.
+# Held-out accuracy after the SFT warm start, then the final policy's metrics (greedy
+# decoding; PORTool §4.1's accuracy, tool steps, unanswerable rate and raw formatting
+# score), RL's change of accuracy per seed on the same tasks, and the training reward (mean
+# of the last 5 steps): mean ± std over seeds, n seeds.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
-COLUMNS = ["rl/accuracy", "rl/avg_tool_steps", "rl/unanswerable_rate",
-           "rl/avg_formatting_raw", "train/reward/outcome_mean"]
+COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "rl/avg_tool_steps",
+           "rl/unanswerable_rate", "rl/avg_formatting_raw", "train/reward/outcome_mean"]
 SECTIONS = {"Main comparison": MAIN, "Discount γ (default 0.95)": GAMMA,
             "Advantage weighting (default: Theorem 3.1)": WEIGHTING,
             "Step-reward rule G (default: adaptive)": G_RULE}

@@ -123,7 +123,9 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
     row = re.search(rf"^\| {arm} \| 1 \| (.*) \|$", out.stdout, re.M)
     assert row, out.stdout[-3000:]
     cells = [c.strip() for c in row[1].split("|")]
-    assert re.fullmatch(r"-?\d+\.\d{3}", cells[0])
+    header = re.search(r"^\| arm \| n \| (.*) \|$", out.stdout, re.M)  # the first table's
+    columns = [c.strip() for c in header[1].split("|")]
+    assert re.fullmatch(r"-?\d+\.\d{3}", cells[columns.index("rl/accuracy")]), row[0]
     assert all(re.fullmatch(r"-?\d+\.\d{3}|–", c) for c in cells), row[0]
   assert {p.name for p in (tmp_path / paper).iterdir() if p.is_dir()} == {
       f"{arm}_s0" for arm in SMOKE_ARMS[paper]}
@@ -205,6 +207,10 @@ def test_load_runs_reads_finished_and_partial_runs(results):
   assert a1.final["train/reward/outcome_mean"] == pytest.approx(0.75)  # "nan" left out
   assert "rl/accuracy" not in b0.final and len(b0.history) == 3  # the torn line is skipped
   assert a0.config == {"num_steps": 7} and a0.paper == "paper"
+  assert "rl_minus_sft/accuracy" not in a0.final  # no SFT eval in this run
+  (results / "paper" / "a_s0" / "eval_sft.json").write_text(
+      json.dumps({"metrics": {"accuracy": 0.5}}))
+  assert ex.load_run(results / "paper" / "a_s0").final["rl_minus_sft/accuracy"] == -0.25
   assert ex.load_runs(results, "no_such_paper") == []
 
 
@@ -324,12 +330,12 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
     if steps == config.num_steps:
       (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
     (work / "phases.txt").write_text("wall  3.0  100.0%\n")
-    return {"steps": steps}
+    return {"steps": steps, "eval": {"rl": {}} if steps == config.num_steps else {}}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
   monkeypatch.setattr(ex, "_setup_process", lambda: None)  # no global JAX settings in tests
   arm = ex.Arm("grpo", "grpo", {"sft.steps": 0})  # no SFT: no warm start (see below)
-  run = ex.run_arm("p", arm, 0, "smoke", tmp_path)
+  run = ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)
   folder = tmp_path / "p" / "grpo_s0"
   assert calls == ["grpo_s0"] and run.finished and run.final["rl/accuracy"] == 0.5
   assert sorted(p.name for p in folder.iterdir()) == [
@@ -341,25 +347,26 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
   assert re.fullmatch(r"([0-9a-f]{12}(\+dirty)?|unknown)", meta["commit"]), meta["commit"]
   assert "CPU cores" in meta["hardware"] and "jax" in meta["hardware"]
 
-  again = ex.run_arm("p", arm, 0, "smoke", tmp_path)  # finished: not run again
+  again = ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)  # finished: not rerun
   assert calls == ["grpo_s0"] and again.final == run.final
   assert capsys.readouterr().err == ""
   changed = ex.Arm("grpo", "grpo", {"sft.steps": 0, "optim.lr": 1e-3})  # warned, kept
-  assert ex.run_arm("p", changed, 0, "smoke", tmp_path).final == run.final
+  assert ex.run_arm("p", changed, 0, "smoke", tmp_path, isolate=False).final == run.final
   assert calls == ["grpo_s0"] and "optim.lr" in capsys.readouterr().err
 
-  rerun = ex.run_arm("p", arm, 0, "smoke", tmp_path, rerun=True)
+  rerun = ex.run_arm("p", arm, 0, "smoke", tmp_path, rerun=True, isolate=False)
   assert calls == ["grpo_s0", "grpo_s0"] and rerun.final["train/reward/outcome_mean"] == 2.0
 
   stop_at["step"] = 1  # a signal stops the run: no arm.json, its checkpoint is kept
   with pytest.raises(KeyboardInterrupt, match="resume"):
-    ex.run_arm("p", arm, 1, "smoke", tmp_path)
+    ex.run_arm("p", arm, 1, "smoke", tmp_path, isolate=False)
   stopped = tmp_path / "p" / "grpo_s1"
   assert not ex.is_finished(stopped) and (stopped / "checkpoints").is_dir()
   del stop_at["step"]
-  assert ex.run_arm("p", arm, 1, "smoke", tmp_path).finished  # the next call resumes it
+  assert ex.run_arm("p", arm, 1, "smoke", tmp_path, isolate=False).finished  # resumed
   three = ex.Arm("grpo", "grpo", {"sft.steps": 0}, seeds=(0, 1, 2))
-  assert [r.seed for r in ex.run_arms("p", [three], "smoke", tmp_path)] == [0]  # smoke: 1 seed
+  smoke = ex.run_arms("p", [three], "smoke", tmp_path, isolate=False)
+  assert [r.seed for r in smoke] == [0]  # smoke: 1 seed
   # Re-plotting only: the finished runs' records, none for the others, nothing trained.
   replot = ex.run_arms("p", [three], "cpu", tmp_path, replot_only=True)
   assert [r.seed for r in replot] == [0, 1] and len(calls) == 4
@@ -401,8 +408,8 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
                                         "num_steps": 3})
   longer_sft = ex.Arm("grpo_sft2", "grpo", {"sft.steps": 2})
   for arm in (grpo, other_rl, longer_sft):
-    ex.run_arm("p", arm, 0, "smoke", tmp_path)
-  ex.run_arm("p", grpo, 1, "smoke", tmp_path)
+    ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)
+  ex.run_arm("p", grpo, 1, "smoke", tmp_path, isolate=False)
   warm_runs = [name for name, resume in calls if not resume]
   # One warm start for the first two arms at seed 0, one for the longer SFT, one for seed 1.
   assert len(warm_runs) == 3 and len(set(warm_runs)) == 3
@@ -445,3 +452,27 @@ def test_warm_start_key_tracks_what_the_prefix_reads():
   t2 = ex.build_config(ex.Arm("t", "trace", {"rollout.strategy_kwargs.predictor_kwargs.lr": 3e-4}),
                        0, "smoke")
   assert ex.warm_start_key(t1) != ex.warm_start_key(t2)
+
+
+def _child_pid(offset: int) -> int:
+  return os.getpid() + offset
+
+
+def _child_raises() -> None:
+  raise ValueError("bad arm")
+
+
+def _child_dies() -> None:
+  os._exit(3)
+
+
+def test_call_in_child_returns_raises_and_reports_a_dead_child():
+  """Runs train in a fresh process each (run_arm's isolate): the value comes back, an
+  exception is raised here by name, and a child that dies without answering is an error
+  naming its exit code."""
+  assert ex.call_in_child(_child_pid, 0) not in (os.getpid(), 0)
+  with pytest.raises(RuntimeError, match="_child_raises failed in its child process: "
+                                         "ValueError: bad arm"):
+    ex.call_in_child(_child_raises)
+  with pytest.raises(RuntimeError, match="exited with code 3"):
+    ex.call_in_child(_child_dies)

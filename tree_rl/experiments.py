@@ -351,6 +351,96 @@ def _setup_process() -> None:
   _PROCESS_READY = True
 
 
+def _train(config: Any, workdir: str | pathlib.Path, pass_k: int = 0) -> dict[str, Any]:
+  """`train_and_evaluate(config, workdir)`, then (`pass_k` > 0, and only if training
+  finished) `sampled_eval`; returns {"steps": the last step, "eval": the stages evaluated}.
+  The train state is dropped here, so nothing of the run outlives the call."""
+  _setup_process()
+  from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
+
+  out = train_and_evaluate(config, str(workdir))
+  result = {"steps": int(out["steps"]), "eval": sorted(out["eval"])}
+  del out
+  if pass_k and result["steps"] == config.num_steps:
+    sampled_eval(workdir, pass_k)
+  return result
+
+
+# The child's first statement: it takes the parent's sys.path (so it imports the same
+# tree_rl, and the caller's modules), then runs the pickled call. A script of its own, not
+# multiprocessing's spawn, which re-runs the parent's __main__ (a notebook run as a script).
+_CHILD_BOOT = ("import pickle, sys; path, payload, out = pickle.load(sys.stdin.buffer); "
+               "sys.path[:] = path; from tree_rl.experiments import _child_main; "
+               "_child_main(payload, out)")
+
+
+def _child_main(payload: bytes, out: str) -> None:
+  """A child's body for `call_in_child`: writes ("ok", fn(*args)) or ("error", text) to
+  the file `out`."""
+  import pickle  # noqa: PLC0415
+
+  fn, args = pickle.loads(payload)
+  try:
+    result = ("ok", fn(*args))
+  except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises)
+    result = ("error", f"{type(e).__name__}: {e}")
+  pathlib.Path(out).write_bytes(pickle.dumps(result))
+
+
+def call_in_child(fn: Any, *args: Any) -> Any:
+  """fn(*args) in a fresh Python process; returns its (picklable) result. `fn` must be
+  importable by name (a module-level function). The child's stdout is printed here, so a
+  notebook shows its progress; its stderr (absl's log) goes where this process's goes.
+
+  Each cpu-scale run holds several GB (the model, the sampler's weights and KV cache,
+  compiled programs), and not all of it is returned when the run ends: one process that ran
+  six SmolLM2 arms in a row grew to 22 GB and was killed on a 24 GB machine. A child per
+  run gives each one a fresh process. Raises RuntimeError naming the child's exception, or
+  its exit code if it died without one (e.g. killed for memory). A KeyboardInterrupt here
+  (a notebook's interrupt reaches the kernel only) is passed on to the child as SIGINT, so
+  it stops after its current step and checkpoints as a signalled run does, then re-raised.
+  """
+  import pickle  # noqa: PLC0415
+  import signal  # noqa: PLC0415
+
+  name = getattr(fn, "__name__", repr(fn))
+  with tempfile.TemporaryDirectory(prefix="tree_rl_child_") as scratch:
+    out = pathlib.Path(scratch) / "result.pkl"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD_BOOT], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, bufsize=1)
+    child.stdin.buffer.write(pickle.dumps((list(sys.path), pickle.dumps((fn, args)), str(out))))
+    child.stdin.close()
+    interrupted = False
+    while True:
+      try:
+        for line in child.stdout:
+          sys.stdout.write(line)
+        break
+      except KeyboardInterrupt:
+        if child.poll() is None:
+          child.send_signal(signal.SIGINT)
+        interrupted = True
+    code = child.wait()
+    if interrupted:
+      raise KeyboardInterrupt(f"{name} was interrupted; its child process stopped")
+    if not out.is_file():
+      raise RuntimeError(f"{name}'s child process exited with code {code} before it "
+                         f"returned (a negative code is the signal that killed it, e.g. -9 "
+                         f"when it ran out of memory)")
+    status, value = pickle.loads(out.read_bytes())
+  if status == "error":
+    raise RuntimeError(f"{name} failed in its child process: {value}")
+  return value
+
+
+def _run(config: Any, workdir: str | pathlib.Path, isolate: bool, pass_k: int = 0
+         ) -> dict[str, Any]:
+  """`_train`, in a child process when `isolate`."""
+  if isolate:
+    return call_in_child(_train, config, str(workdir), pass_k)
+  return _train(config, workdir, pass_k)
+
+
 def warm_start_key(config: Any) -> str:
   """12 hex digits naming what a run does before its first RL step: a hash of its config
   without `RL_ONLY_FIELDS`, plus whether it keeps a reference model and which stateful
@@ -371,13 +461,12 @@ def warm_start_key(config: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def warm_start(config: Any, root: str | pathlib.Path) -> pathlib.Path:
+def warm_start(config: Any, root: str | pathlib.Path, isolate: bool = True) -> pathlib.Path:
   """The folder of `config`'s warm start under `<root>/.warm_starts/`: its base eval, SFT
-  and SFT eval, run here now (`num_steps=0`) unless a finished one is there (`warm.json`,
-  written last; an interrupted one resumes). Its `checkpoints/` holds the policy after SFT
-  with a fresh RL optimizer state, which `config.resume` restores."""
-  from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
-
+  and SFT eval, run now (`num_steps=0`; in a child process when `isolate`) unless a
+  finished one is there (`warm.json`, written last; an interrupted one resumes). Its
+  `checkpoints/` holds the policy after SFT with a fresh RL optimizer state, which
+  `config.resume` restores."""
   path = pathlib.Path(root) / WARM_DIR / f"{warm_start_key(config)}_s{int(config.seed)}"
   if (path / WARM_MARKER).is_file():
     return path
@@ -386,11 +475,9 @@ def warm_start(config: Any, root: str | pathlib.Path) -> pathlib.Path:
   where, started = provenance(), time.perf_counter()
   print(f"=== warm start {path.name}: base eval, {config.sft.steps} SFT steps, SFT eval",
         flush=True)
-  out = train_and_evaluate(warm, str(path))
-  if "sft" not in out["eval"]:  # a signal stopped it; its SFT progress checkpoint is kept
+  if "sft" not in _run(warm, path, isolate)["eval"]:  # a signal stopped it; its SFT
     raise KeyboardInterrupt(f"the warm start {path} stopped before its SFT eval; run the "
-                            f"cell again to resume it")
-  del out
+                            f"cell again to resume it")  # progress checkpoint is kept
   record = {"key": path.name, "wall_s": round(time.perf_counter() - started, 1), **where}
   tmp = path / (WARM_MARKER + ".tmp")
   tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -417,7 +504,8 @@ def _graft_warm_start(path: pathlib.Path, warm: pathlib.Path) -> None:
 
 def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Path,
             rerun: bool = False, pass_k: int = 0, keep_checkpoints: bool = False,
-            replot_only: bool = False, share_warm_start: bool = True) -> Run | None:
+            replot_only: bool = False, share_warm_start: bool = True, isolate: bool = True
+            ) -> Run | None:
   """Trains and evaluates one (arm, seed) in `<root>/<paper>/<arm>_s<seed>` and returns its
   record. A finished run there is not run again unless `rerun` (then its folder is emptied
   first); its record is returned as it is, with a warning when its saved config differs
@@ -431,6 +519,9 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   share_warm_start: with SFT (and no `resume` of the arm's own), run the base eval, SFT and
   SFT eval once per preset and seed (`warm_start`) and start the RL from there; False: the
   run does them itself.
+  isolate: train (and the warm start, and the sampled eval) in a child process
+  (`call_in_child`), so a notebook that runs many arms holds no memory of the finished
+  ones; False: in this process.
   """
   path = run_dir(root, paper, arm.name, seed)
   config = build_config(arm, seed, scale)
@@ -445,24 +536,17 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
     return load_run(path)
   if rerun and path.exists():
     shutil.rmtree(path)
-  _setup_process()
-  from tree_rl.train import train_and_evaluate  # noqa: PLC0415  (slow import)
-
   warm = None
   if share_warm_start and config.sft.steps and not config.resume:
-    warm = warm_start(config, root)
+    warm = warm_start(config, root, isolate)
     config.resume = str((warm / "checkpoints").resolve())
   where = provenance()  # at the start: the code that trains, not a later edit
   started = time.perf_counter()  # the warm start's own wall is in its record
   print(f"=== {paper}/{path.name} ({scale})", flush=True)
-  out = train_and_evaluate(config, str(path))
-  steps = out["steps"]
-  del out  # the train state: its buffers are freed before the next arm's
+  steps = _run(config, path, isolate, pass_k)["steps"]
   if steps != config.num_steps:  # a signal stopped it; its checkpoint is kept
     raise KeyboardInterrupt(f"{path} stopped after step {steps} of {config.num_steps}; "
                             f"run the cell again to resume it")
-  if pass_k:
-    sampled_eval(path, pass_k)
   if warm is not None:
     _graft_warm_start(path, warm)
   if not keep_checkpoints:
@@ -479,11 +563,12 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
 
 
 def run_arms(paper: str, arms: Iterable[Arm], scale: str, root: str | pathlib.Path,
-             rerun: bool = False, pass_k: int = 0, replot_only: bool = False) -> list[Run]:
+             rerun: bool = False, pass_k: int = 0, replot_only: bool = False,
+             isolate: bool = True) -> list[Run]:
   """`run_arm` for every seed of every arm (the first seed only at the smoke scale); the
   records of the runs there are (with `replot_only`, of the finished ones)."""
   runs = [run_arm(paper, arm, seed, scale, root, rerun=rerun, pass_k=pass_k,
-                  replot_only=replot_only)
+                  replot_only=replot_only, isolate=isolate)
           for arm in arms for seed in (arm.seeds[:1] if scale == "smoke" else arm.seeds)]
   return [r for r in runs if r is not None]
 
@@ -527,7 +612,8 @@ class Run:
 
   Attributes:
     final: "<stage>/<metric>" of each evaluation (stages base, sft, rl, step<k> and sampled;
-      from eval_<stage>.json, else from metrics.jsonl's eval rows), "train/<key>" (the mean
+      from eval_<stage>.json, else from metrics.jsonl's eval rows), "rl_minus_sft/accuracy"
+      (what RL changed, per seed, on the same held-out tasks), "train/<key>" (the mean
       of the last TAIL_STEPS RL steps' finite values of each logged key) and "wall_s"
       (phases.txt's wall time).
     history: metrics.jsonl's rows in order (RL steps, SFT steps and evals, see `phase`).
@@ -601,6 +687,8 @@ def load_run(path: str | pathlib.Path) -> Run | None:
       stage = eval_path.stem[len("eval_"):]
       final.update({f"{stage}/{k}": _number(v) for k, v in metrics.items()
                     if _number(v) is not None})
+  if "rl/accuracy" in final and "sft/accuracy" in final:  # paired: the same held-out tasks
+    final["rl_minus_sft/accuracy"] = final["rl/accuracy"] - final["sft/accuracy"]
   rl_rows = [r for r in history if r.get("phase", "rl") == "rl"]
   tail = rl_rows[-TAIL_STEPS:]
   for key in sorted({k for r in tail for k in r} - {"step", "phase"}):
