@@ -282,7 +282,9 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
       assert ex._get(config, field) == ex._get(appo, field), (spec, field)
     assert config.algo.estimator != "appo" and config.rollout.strategy != "appo"
     assert ex.warm_start_key(config) == ex.warm_start_key(appo)
-  assert ex.build_config(ex.Arm("p", "portool"), 0, "cpu").rollout.strategy_kwargs.t_max == 5
+  portool = ex.build_config(ex.Arm("p", "portool"), 0, "cpu")
+  assert portool.rollout.strategy_kwargs.t_max == 5
+  assert (portool.algo.num_minibatches, portool.algo.estimator) == (2, "portool")
   # An arm's own override still wins; other families keep their configs' defaults.
   assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
   awpo = ex.build_config(ex.Arm("w", "awpo"), 0, "cpu")

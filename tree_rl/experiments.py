@@ -147,12 +147,15 @@ def scale_args(scale: str) -> str:
 # The cpu scale's tool-world preset: these fields of configs/apppo.py (the README's main job),
 # everything but its method, are set on every tool-world arm at the cpu scale. So every
 # paper's tool-world runs share one model setup, task mix, SFT warm start, eval and budget,
-# and with them one warm start per seed (docs/notebooks.md#the-cpu-scale).
+# and with them one warm start per seed (docs/notebooks.md#the-cpu-scale). The PPO
+# mini-batches are part of the budget: a step's 2 prompts are updated one at a time, as
+# the main job does. In one mini-batch, without rematerialisation, a GRPO or PORTool update
+# of 2 prompts took over 20 GB and was killed on a 24 GB machine.
 CPU_TOOLWORLD_PRESET = "apppo"
 CPU_TOOLWORLD_FIELDS = ("model.lora_targets", "model.remat", "task.kwargs",
                         "task.num_eval_tasks", "rollout.max_new_tokens",
                         "rollout.max_context_tokens", "rollout.temperature", "num_steps",
-                        "prompts_per_step", "optim.lr", "sft")
+                        "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
 
 
 def _get(config: Any, dotted: str) -> Any:
