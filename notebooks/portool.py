@@ -12,10 +12,6 @@
 # `tree_rl.train.train_and_evaluate`. The tables and plots are rebuilt from the files the
 # runs leave under `results/portool/<arm>_s<seed>/`, so committed results re-plot without
 # re-running (`docs/notebooks.md`).
-#
-# Not run here, because no config can express it: **GRPO with the formatting reward**. The
-# formatting rubric is a per-step (node) reward channel that only PORTool's estimator
-# reads; GRPO's `reward_channels` sum leaf channels, and no leaf carries a formatting score.
 
 # %%
 # Colab only: clone this repository (the notebook reads its configs/ and committed results/),
