@@ -39,7 +39,8 @@ if "google.colab" in sys.modules:
 # ## Parameters
 #
 # `SCALE`: `smoke` (a tiny random model, 2 steps, the first two main arms, one seed: what CI
-# runs), `cpu` (SmolLM2-135M: the committed numbers) or `gpu` (a larger model,
+# runs), `cpu` (SmolLM2-135M with the main job's SFT warm start, lr, temperature and budget,
+# docs/notebooks.md#the-cpu-scale: the committed numbers) or `gpu` (a larger model,
 # `$TREE_RL_GPU_MODEL`). `$TREE_RL_NOTEBOOK_SCALE` overrides the default.
 # `RERUN = False` keeps every finished run under the results root and only re-plots it;
 # `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots

@@ -285,11 +285,21 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
   portool = ex.build_config(ex.Arm("p", "portool"), 0, "cpu")
   assert portool.rollout.strategy_kwargs.t_max == 5
   assert (portool.algo.num_minibatches, portool.algo.estimator) == (2, "portool")
-  # An arm's own override still wins; other families keep their configs' defaults.
+  # An arm's own override still wins; other families take the recipe, not the task's shape.
   assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
-  awpo = ex.build_config(ex.Arm("w", "awpo"), 0, "cpu")
-  assert awpo.task.family == "bfcl" and awpo.sft.steps == 0
-  assert ex.scale_overrides("cpu", "bfcl") == {} and ex.scale_overrides("smoke", "toolworld") == {}
+  for spec, family in (("awpo", "bfcl"), ("grpo:task=bfcl", "bfcl"), ("trace", "search_qa")):
+    config = ex.build_config(ex.Arm("w", spec), 0, "cpu")
+    own = ex.build_config(ex.Arm("w", spec), 0, "smoke")
+    assert config.task.family == family, spec
+    for field in ex.CPU_RECIPE_FIELDS:
+      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
+    assert config.task.kwargs.to_dict() == {} and config.model.remat
+    assert config.rollout.max_new_tokens == 160 != appo.rollout.max_new_tokens
+    assert own.sft.steps <= 1  # the smoke scale keeps the configs' own runlocal presets
+  awpo_key = ex.warm_start_key(ex.build_config(ex.Arm("w", "awpo"), 0, "cpu"))
+  assert awpo_key == ex.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
+  assert awpo_key != ex.warm_start_key(appo)
+  assert ex.scale_overrides("smoke", "toolworld") == {} and ex.scale_overrides("cpu") == {}
 
 
 def test_scales_and_results_roots(monkeypatch):

@@ -156,6 +156,15 @@ CPU_TOOLWORLD_FIELDS = ("model.lora_targets", "model.remat", "task.kwargs",
                         "task.num_eval_tasks", "rollout.max_new_tokens",
                         "rollout.max_context_tokens", "rollout.temperature", "num_steps",
                         "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
+# The part of that preset that other task families (BFCL, search QA) take at the cpu scale:
+# the training recipe (LoRA targets, SFT warm start, learning rate, sampling temperature,
+# budget), not the task's shape (their own prompts, token limits and eval sets) nor its
+# memory setting (they keep rematerialisation: their prompts are longer). With their
+# configs' own recipe (SFT lr 1e-4, RL lr 1e-5, temperature 1), 10 SFT steps left
+# SmolLM2-135M's BFCL eval where the base model had it, and every response sampled in 2 RL
+# steps scored 0, so no group had an advantage (docs/notebooks.md#the-cpu-scale).
+CPU_RECIPE_FIELDS = ("model.lora_targets", "rollout.temperature", "num_steps",
+                     "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
 
 
 def _get(config: Any, dotted: str) -> Any:
@@ -171,14 +180,16 @@ def scale_overrides(scale: str, family: str | None = None) -> dict[str, Any]:
   smoke: none (runlocal is the tiny model, 2 steps, 2 prompts of 2 leaves, 2 eval tasks).
   cpu: for the tool world, `CPU_TOOLWORLD_FIELDS` of configs/apppo.py (SmolLM2-135M with an
     SFT warm start on difficulty-1 tasks, sampled at 0.6; docs/methods/appo.md#the-cpu-preset);
-    other families: none (each config's own defaults).
+    other families: its `CPU_RECIPE_FIELDS` (the same SFT, lr, temperature and budget on
+    their own tasks).
   gpu: a larger HF model in bfloat16 (`gpu_model_folder`), more and larger steps, a larger
     held-out set and an eval every 10 steps for the curves.
   """
   _check_scale(scale)
-  if scale == "cpu" and family == "toolworld":
+  if scale == "cpu" and family is not None:
     preset = importlib.import_module(f"configs.{CPU_TOOLWORLD_PRESET}").get_config("")
-    return {field: _get(preset, field) for field in CPU_TOOLWORLD_FIELDS}
+    fields = CPU_TOOLWORLD_FIELDS if family == "toolworld" else CPU_RECIPE_FIELDS
+    return {field: _get(preset, field) for field in fields}
   if scale != "gpu":
     return {}
   return {"model.name": "hf", "model.hf_folder": gpu_model_folder(), "model.dtype": "bfloat16",
