@@ -104,13 +104,15 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # %% [markdown]
 # ## Results
 #
-# Held-out accuracy (BFCL's AST rule) and mean outcome reward of the final policy (greedy),
-# and the training rewards (mean of the last 5 steps; the reasoning score only where a
-# judge ran): mean ± std over seeds, n seeds.
+# Held-out accuracy (BFCL's AST rule) and mean outcome reward (S_format + S_exec, 0 to 2),
+# greedy, after the SFT warm start and after RL, with RL's change per seed on the same
+# tasks; then the training rewards (mean of the last 5 steps; the reasoning score only
+# where a judge ran): mean ± std over seeds, n seeds.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
-COLUMNS = ["rl/accuracy", "rl/mean_reward", "train/reward/outcome_mean",
+COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "sft/mean_reward",
+           "rl/mean_reward", "rl_minus_sft/mean_reward", "train/reward/outcome_mean",
            "train/reward/reasoning_mean"]
 SECTIONS = {"Main comparison": MAIN, "Ablations (Table 5)": ABLATIONS}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"AWPO ({SCALE})",

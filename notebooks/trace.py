@@ -105,14 +105,16 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # %% [markdown]
 # ## Results
 #
-# Held-out exact-match accuracy of the final policy (greedy), the training reward, the
+# Held-out exact-match accuracy (greedy) after the SFT warm start and of the final policy,
+# with RL's change per seed on the same tasks, the training reward, the
 # fraction of trained groups with reward spread (TRACE eq. 21; tree methods only) and the
 # policy tokens sampled a step (training columns: mean of the last 5 steps): mean ± std
 # over seeds, n seeds.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
-COLUMNS = ["rl/accuracy", "train/reward/outcome_mean", "train/trace/effective_ratio",
+COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy",
+           "train/reward/outcome_mean", "train/trace/effective_ratio",
            "train/rollout/policy_tokens"]
 SECTIONS = {"Main comparison (6 leaves per prompt)": MAIN, "Stage ablations": STAGES}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"TRACE ({SCALE})",

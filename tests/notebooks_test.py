@@ -210,7 +210,9 @@ def test_load_runs_reads_finished_and_partial_runs(results):
   assert "rl_minus_sft/accuracy" not in a0.final  # no SFT eval in this run
   (results / "paper" / "a_s0" / "eval_sft.json").write_text(
       json.dumps({"metrics": {"accuracy": 0.5}}))
-  assert ex.load_run(results / "paper" / "a_s0").final["rl_minus_sft/accuracy"] == -0.25
+  paired = ex.load_run(results / "paper" / "a_s0").final
+  assert paired["rl_minus_sft/accuracy"] == -0.25
+  assert "rl_minus_sft/num_tasks" not in paired  # the SFT eval has no such metric
   assert ex.load_runs(results, "no_such_paper") == []
 
 

@@ -626,8 +626,8 @@ class Run:
 
   Attributes:
     final: "<stage>/<metric>" of each evaluation (stages base, sft, rl, step<k> and sampled;
-      from eval_<stage>.json, else from metrics.jsonl's eval rows), "rl_minus_sft/accuracy"
-      (what RL changed, per seed, on the same held-out tasks), "train/<key>" (the mean
+      from eval_<stage>.json, else from metrics.jsonl's eval rows), "rl_minus_sft/<metric>"
+      (what RL changed, per seed, on the same held-out tasks: accuracy, mean_reward...), "train/<key>" (the mean
       of the last TAIL_STEPS RL steps' finite values of each logged key) and "wall_s"
       (phases.txt's wall time).
     history: metrics.jsonl's rows in order (RL steps, SFT steps and evals, see `phase`).
@@ -701,8 +701,9 @@ def load_run(path: str | pathlib.Path) -> Run | None:
       stage = eval_path.stem[len("eval_"):]
       final.update({f"{stage}/{k}": _number(v) for k, v in metrics.items()
                     if _number(v) is not None})
-  if "rl/accuracy" in final and "sft/accuracy" in final:  # paired: the same held-out tasks
-    final["rl_minus_sft/accuracy"] = final["rl/accuracy"] - final["sft/accuracy"]
+  for key in [k[len("rl/"):] for k in final if k.startswith("rl/")]:
+    if f"sft/{key}" in final:  # paired: the same held-out tasks
+      final[f"rl_minus_sft/{key}"] = final[f"rl/{key}"] - final[f"sft/{key}"]
   rl_rows = [r for r in history if r.get("phase", "rl") == "rl"]
   tail = rl_rows[-TAIL_STEPS:]
   for key in sorted({k for r in tail for k in r} - {"step", "phase"}):
