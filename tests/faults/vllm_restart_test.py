@@ -63,14 +63,23 @@ def setup(tmp_path_factory):
 
 
 def _disturbed_generate(eng, sig):
-  """generate with `sig` sent to the worker right after the request reached it (mid-call:
-  before any answer, whatever the machine's speed); (results, seconds, old pid)."""
+  """generate with `sig` sent to the worker around the request, so the worker never
+  answers it; (results, seconds, old pid).
+
+  SIGKILL follows the request (mid-call). SIGSTOP comes just before it: the request then
+  waits unread in the stopped worker's socket, which is the same call for the engine.
+  Sent after it, the stop could land late: on a loaded 2-core machine the test process
+  can be descheduled between the two lines for longer than the tiny model's generate
+  takes, and the worker's answer was then already on its way (seen twice in full CI runs:
+  no restart, 1 >= 2)."""
   worker, pid = eng._worker, eng.info["pid"]
   send = worker.send
 
   def send_then_signal(msg, what):
+    if msg.get("op") == "generate" and sig == signal.SIGSTOP:
+      os.kill(pid, sig)
     send(msg, what)
-    if msg.get("op") == "generate":
+    if msg.get("op") == "generate" and sig != signal.SIGSTOP:
       os.kill(pid, sig)
 
   worker.send = send_then_signal  # this worker only: its replacement runs undisturbed
