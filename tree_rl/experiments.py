@@ -152,10 +152,6 @@ def scale_args(scale: str) -> str:
 # the main job does. In one mini-batch, without rematerialisation, a GRPO or PORTool update
 # of 2 prompts took over 20 GB and was killed on a 24 GB machine.
 CPU_TOOLWORLD_PRESET = "apppo"
-CPU_TOOLWORLD_FIELDS = ("model.lora_targets", "model.remat", "task.kwargs",
-                        "task.num_eval_tasks", "rollout.max_new_tokens",
-                        "rollout.max_context_tokens", "rollout.temperature", "num_steps",
-                        "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
 # The part of that preset that other task families (BFCL, search QA) take at the cpu scale:
 # the training recipe (LoRA targets, SFT warm start, learning rate, sampling temperature,
 # budget), not the task's shape (their own prompts, token limits and eval sets) nor its
@@ -165,6 +161,9 @@ CPU_TOOLWORLD_FIELDS = ("model.lora_targets", "model.remat", "task.kwargs",
 # steps scored 0, so no group had an advantage (docs/notebooks.md#the-cpu-scale).
 CPU_RECIPE_FIELDS = ("model.lora_targets", "rollout.temperature", "num_steps",
                      "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
+CPU_TOOLWORLD_FIELDS = CPU_RECIPE_FIELDS + (
+    "model.remat", "task.kwargs", "task.num_eval_tasks", "rollout.max_new_tokens",
+    "rollout.max_context_tokens")
 
 
 def _get(config: Any, dotted: str) -> Any:
@@ -627,9 +626,9 @@ class Run:
   Attributes:
     final: "<stage>/<metric>" of each evaluation (stages base, sft, rl, step<k> and sampled;
       from eval_<stage>.json, else from metrics.jsonl's eval rows), "rl_minus_sft/<metric>"
-      (what RL changed, per seed, on the same held-out tasks: accuracy, mean_reward...), "train/<key>" (the mean
-      of the last TAIL_STEPS RL steps' finite values of each logged key) and "wall_s"
-      (phases.txt's wall time).
+      (what RL changed, per seed, on the same held-out tasks, for each metric both evals
+      report), "train/<key>" (the mean of the last TAIL_STEPS RL steps' finite values of
+      each logged key) and "wall_s" (phases.txt's wall time).
     history: metrics.jsonl's rows in order (RL steps, SFT steps and evals, see `phase`).
     finished: `is_finished`; an unfinished run's numbers are as far as it got.
   """
