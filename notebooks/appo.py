@@ -67,8 +67,9 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # groups of 4 and ARPO with 2 initial rollouts and a budget of 4 (twice its group), both on
 # the same preset (SFT, 2 mini-batches). The (N, B) sweep holds M = 16 fixed. The ablations
 # change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
-# alone, App. D) is an extra the config supports. The budget arm trains the main job three
-# times as long, to see whether RL moves past SFT given more steps.
+# alone, App. D) is an extra the config supports. The budget arms train the main job longer
+# (15 steps; 10 steps at 10x the learning rate; 10 steps with N = 4), to see whether RL moves
+# past SFT given more steps or more signal.
 
 # %%
 APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
@@ -94,9 +95,15 @@ N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
 ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
              appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
 # The RL budget: the main job's run for 15 steps, evaluated after 5, 10 and 15. The learning
-# rate is constant, so its step-5 eval is the 5-step `appo` run's final eval.
+# rate is constant, so its step-5 eval is the 5-step `appo` run's final eval. Then two
+# 10-step runs that look for a budget where RL beats SFT: 10x the learning rate, and twice
+# the leaves per prompt (N = 4 initial rollouts, B = 1: M = 8), which halves how often a
+# group has no reward spread.
+TEN = {"num_steps": 10, "eval_every_steps": 5}
 BUDGET = [APPO, ex.Arm("appo_steps15", "apppo", {"num_steps": 15, "eval_every_steps": 5},
-                       seeds=SEEDS)]
+                       seeds=SEEDS),
+          ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
+          ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS)]
 ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS, BUDGET)  # all validated first
 
 # %% [markdown]
@@ -122,7 +129,7 @@ if SCALE != "smoke":
 # training reward (mean of the last 5 steps) and the policy tokens sampled a step (the
 # rollout cost): mean ± std over seeds, n seeds. The budget table has the accuracy after
 # SFT and after 5, 10 and 15 RL steps; the last table, the fraction of groups whose leaves
-# all scored the same, so that they had zero advantage.
+# all scored the same, so that they had zero advantage (main arms and the 10-step budget arms).
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -136,9 +143,9 @@ SIGNAL_COLUMNS = ["train/adv/z_init_zero_std_rate", "train/adv/z_branch_zero_std
                   "train/adv/zero_std_frac"]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
-            "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15)":
-                (BUDGET, BUDGET_COLUMNS),
-            "Groups without reward spread (last 5 steps)": (MAIN, SIGNAL_COLUMNS)}
+            "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15, 10 for the "
+            "others)": (BUDGET, BUDGET_COLUMNS),
+            "Groups without reward spread (last 5 steps)": (MAIN + BUDGET[2:], SIGNAL_COLUMNS)}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
 
@@ -149,7 +156,7 @@ for metric in ("reward/outcome_mean", "eval/accuracy"):
 ex.show(ex.plot_columns(runs, PASS_COLUMNS, ROOT / PAPER / "main_pass_at_k.png", arms=MAIN,
                         title="APPO main comparison: pass@k of the final policy"))
 ex.show(ex.plot_curves(runs, "eval/accuracy", ROOT / PAPER / "budget_eval_accuracy.png",
-                       arms=BUDGET, title="APPO: held-out accuracy over 15 RL steps"))
+                       arms=BUDGET, title="APPO: held-out accuracy over RL steps"))
 for name, arms in (("n_b", N_B), ("ablations", ABLATIONS)):
   ex.show(ex.plot_bars(runs, "rl/accuracy", ROOT / PAPER / f"ablation_{name}.png", arms=arms,
                        title=f"APPO ({name}): held-out accuracy"))
