@@ -75,14 +75,17 @@ def _disturbed_generate(eng, sig):
   worker, pid = eng._worker, eng.info["pid"]
   send = worker.send
 
-  def send_then_signal(msg, what):
-    if msg.get("op") == "generate" and sig == signal.SIGSTOP:
+  stop_first = sig == signal.SIGSTOP
+
+  def send_and_signal(msg, what):
+    generate = msg.get("op") == "generate"
+    if generate and stop_first:
       os.kill(pid, sig)
     send(msg, what)
-    if msg.get("op") == "generate" and sig != signal.SIGSTOP:
+    if generate and not stop_first:
       os.kill(pid, sig)
 
-  worker.send = send_then_signal  # this worker only: its replacement runs undisturbed
+  worker.send = send_and_signal  # this worker only: its replacement runs undisturbed
   start = time.monotonic()
   out = eng.generate(_requests())
   return out, time.monotonic() - start, pid
