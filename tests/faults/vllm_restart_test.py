@@ -66,23 +66,21 @@ def _disturbed_generate(eng, sig):
   """generate with `sig` sent to the worker around the request, so the worker never
   answers it; (results, seconds, old pid).
 
-  SIGKILL follows the request (mid-call). SIGSTOP comes just before it: the request then
-  waits unread in the stopped worker's socket, which is the same call for the engine.
-  Sent after it, the stop could land late: on a loaded 2-core machine the test process
-  can be descheduled between the two lines for longer than the tiny model's generate
-  takes, and the worker's answer was then already on its way (seen twice in full CI runs:
-  no restart, 1 >= 2)."""
+  The worker is stopped (SIGSTOP) just before the request, so the request waits unread in
+  its socket and it can never answer; SIGKILL, when that is `sig`, then follows the
+  request (mid-call). A signal sent only after the request could land late: on a loaded
+  2-core machine the test process can be descheduled between the two lines for longer
+  than the tiny model's generate takes, and the answer was then already on its way (seen
+  in full CI runs for both signals: no restart)."""
   worker, pid = eng._worker, eng.info["pid"]
   send = worker.send
 
-  stop_first = sig == signal.SIGSTOP
-
   def send_and_signal(msg, what):
     generate = msg.get("op") == "generate"
-    if generate and stop_first:
-      os.kill(pid, sig)
+    if generate:
+      os.kill(pid, signal.SIGSTOP)
     send(msg, what)
-    if generate and not stop_first:
+    if generate and sig != signal.SIGSTOP:
       os.kill(pid, sig)
 
   worker.send = send_and_signal  # this worker only: its replacement runs undisturbed
