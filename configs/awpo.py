@@ -17,8 +17,9 @@ Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy (BFCL AST rule) on the bundled BFCL files. Measured only at
 the notebooks' cpu scale (SmolLM2-135M with the main job's SFT and recipe, 5 RL steps,
 2 seeds; RESULTS.md, AWPO section): accuracy 0.047, mean reward 1.04 of 2, where SFT left
-0.062 and 1.01; GRPO, DAPO, Dr.GRPO and mixed-reward GRPO within noise of it. This config's own recipe
-(lr 1e-5, temperature 1, no SFT) gave SmolLM2-135M zero reward in every sampled group.
+0.062 and 1.01; GRPO, DAPO, Dr.GRPO and mixed-reward GRPO within noise of it. This config's
+own recipe (lr 1e-5, temperature 1, no SFT) gave SmolLM2-135M zero reward in every sampled
+group.
 
 The reasoning reward (leaf channel "reasoning", logged as reward/reasoning_mean):
   - judge=rubric (default): offline and deterministic, no network. `tree_rl.rewards.rubric`
