@@ -98,7 +98,8 @@ ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", 
 # rate is constant, so its step-5 eval is the 5-step `appo` run's final eval. Then two
 # 10-step runs that look for a budget where RL beats SFT: 10x the learning rate, and twice
 # the leaves per prompt (N = 4 initial rollouts, B = 1: M = 8), so that fewer groups lack
-# reward spread. Its seed 1 was killed for memory on a 23 GiB machine (RESULTS.md).
+# reward spread. Its seed 1 peaked at 22.9 GB in one step and was killed for memory on a
+# 23 GiB machine (RESULTS.md).
 TEN = {"num_steps": 10, "eval_every_steps": 5}
 PROBES = [ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
           ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS)]
