@@ -6,7 +6,9 @@ Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm s
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
 Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ;
 :timing=per_step (branch once before the updates, as the authors' code does; default:
-per PPO mini-batch with the current policy, as the paper does) ; :task=math ; :runlocal.
+per PPO mini-batch with the current policy, as the paper does) ; :reward=gated (APPO's
+public reward shape on the tool world: wrong 0, a malformed tool call -1; default PORTool's
++1/0/-1) ; :task=math ; :runlocal.
 Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted into
 ~/.cache/tree_rl) as the APPO notebook's `appo` arm, which runs this config in two
 processes (results/appo/appo_s<seed>/): base eval, 10 SFT steps of 4 oracle trajectories
@@ -25,10 +27,18 @@ ablations: RESULTS.md.
 
 from configs import common
 
+# The tool world's outcome reward (:reward=...): PORTool's +1 correct / 0 unable / -1 wrong,
+# malformed or truncated, or the shape of APPO's public reward script, where a wrong but
+# well-formed answer scores 0 and any step whose tool call does not parse gates the episode
+# to -1 (docs/methods/appo.md#the-format-gated-reward).
+REWARDS = {"portool": {}, "gated": dict(wrong_outcome=0.0, malformed_outcome=-1.0)}
+
 
 def get_config(arg=None):
   arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1,
-                         timing="per_minibatch")
+                         timing="per_minibatch", reward="portool")
+  if arg.reward not in REWARDS:
+    raise ValueError(f":reward={arg.reward!r}; valid: {sorted(REWARDS)}")
   c = common.base_config()
   c.algo.estimator = "appo"
   # N initial rollouts, B branch points each: budget M = (B + 1) N leaves per prompt.
@@ -46,7 +56,7 @@ def get_config(arg=None):
   # held-out tasks; LoRA on attention and MLP; 40 oracle trajectories of SFT at a
   # LoRA-sized learning rate; 5 RL steps of 2 prompts with N = 2, B = 1 (8 leaves a
   # step). Longer RL: :steps=N.
-  c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3)
+  c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3, **REWARDS[arg.reward])
   c.task.num_eval_tasks = 32
   c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
   # Below the papers' 1.0: after this SFT the quantized 135M model answers 23% of training

@@ -294,6 +294,10 @@ def test_unknown_config_key_and_argument_fail_with_the_valid_ones(tmp_path):
     train.train_and_evaluate(c, str(tmp_path))
   with pytest.raises(ValueError, match="valid"):
     _config("grpo", "runlocal,stpes=3")
+  with pytest.raises(ValueError, match=r"reward='f1'; valid: \['gated', 'portool'\]"):
+    _config("apppo", "runlocal,reward=f1")
+  gated = _config("apppo", "runlocal,reward=gated").task.kwargs
+  assert (gated.wrong_outcome, gated.malformed_outcome) == (0.0, -1.0)
 
 
 def test_incompatible_checkpoint_in_workdir_fails_clearly(tmp_path):

@@ -142,6 +142,38 @@ def test_truncated_and_missing_response_gen(family):
   assert family.score(task, _episode(task, bad), truncated=False).reward == -1.0
 
 
+def test_format_gated_reward():
+  """wrong_outcome and malformed_outcome: APPO's reward shape (bad format -1, wrong 0)."""
+  task = _task(number(541.3))
+  gated = ToolWorldFamily(wrong_outcome=0.0, malformed_outcome=-1.0)
+  broken = ('<think>look</think>\n<tool_call>\n{"name": "maps_search", "arguments": '
+            '{"origin": "A", "parameters": {"destination": "B"}}\n</tool_call>')
+  assert not parse_step(broken).fields_ok  # a brace short, as SmolLM2 writes it after SFT
+  lookup = "<think>look</think>\n" + format_tool_call("maps_search", {"origin": "A",
+                                                                     "destination": "B"})
+  cases = [  # (steps, gated reward, PORTool reward, correct, answered)
+      ((lookup, _final("541.3 km")), 1.0, 1.0, True, True),
+      ((lookup, _final("612 km")), 0.0, -1.0, False, True),
+      ((lookup, _final("I am unable to answer.")), 0.0, 0.0, False, False),
+      ((broken, _final("612 km")), -1.0, -1.0, False, True),
+      ((broken, _final("541.3 km")), -1.0, 1.0, True, True),  # the gate wins
+      ((broken, _final("I am unable to answer.")), -1.0, 0.0, False, False),
+      ((lookup, "<think>x</think>The answer is 541.3 km."), -1.0, -1.0, False, False),
+  ]
+  portool = ToolWorldFamily()
+  for steps, want, want_portool, correct, answered in cases:
+    outcome = gated.score(task, _episode(task, *steps), truncated=False)
+    assert (outcome.reward, outcome.correct, outcome.answered) == (want, correct, answered)
+    assert outcome.details.get("malformed", False) == (steps[0] is broken and
+                                                       steps[-1].startswith("<think>done"))
+    assert portool.score(task, _episode(task, *steps), truncated=False).reward == want_portool
+  assert gated.score(task, _episode(task, lookup, _final("541.3 km")),
+                     truncated=True).reward == -1.0
+  # wrong_outcome alone leaves malformed episodes on their answer's reward
+  assert ToolWorldFamily(wrong_outcome=0.0).score(
+      task, _episode(task, broken, _final("612 km")), truncated=False).reward == 0.0
+
+
 def test_stock_threshold_accepts_both_routes():
   family = ToolWorldFamily(difficulties=(2, 3))
   tasks = [t for t in family.generate("train", 60, seed=0)

@@ -13,6 +13,14 @@ rule-based verifier in place of the GPT-4o judge:
   truncated_outcome (default -1, docs/methods/portool.md#truncated-trajectories)
       truncated, or the last step did not call `response_gen` (a free-text
       answer is not a final answer here).
+
+Two options reshape it (docs/methods/appo.md#the-format-gated-reward): `wrong_outcome`
+replaces the -1 of a well-formed wrong answer, and `malformed_outcome`, when set, is the
+reward of any answered episode with a step whose tool calls did not parse (invalid JSON,
+an unclosed block, a call without a string name or object arguments), whatever its
+answer. `wrong_outcome=0, malformed_outcome=-1` is the shape of APPO's public reward
+script (bad format -1, otherwise the answer's score, 0 when wrong). Only the reward
+changes: `correct` and `answered` stay what the answer was.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ class ToolWorldFamily:
   name = "toolworld"
 
   def __init__(self, seed_world: int = 0, max_turns: int = 6, truncated_outcome: float = -1.0,
-               difficulties: Sequence[int] = (1, 2, 3, 4, 5), tools_per_task: int = 0):
+               difficulties: Sequence[int] = (1, 2, 3, 4, 5), tools_per_task: int = 0,
+               wrong_outcome: float = -1.0, malformed_outcome: float | None = None):
     """Args:
       seed_world: seed of the world every task of this family lives in.
       max_turns: assistant steps per episode (PORTool caps at 6).
@@ -54,6 +63,9 @@ class ToolWorldFamily:
         prompt); k > 0 offers the tools of the task's oracle routes, `response_gen`
         and `get_current_context`, plus seeded distractors up to k tools. Small
         models on CPUs train much faster on the shorter prompt.
+      wrong_outcome: reward of a well-formed, answered, wrong episode (PORTool: -1).
+      malformed_outcome: None (PORTool), or the reward of an answered episode with a step
+        whose tool calls did not parse, in place of its answer's reward.
     """
     if tools_per_task < 0:
       raise ValueError(f"tools_per_task={tools_per_task} must be >= 0 (0: all tools)")
@@ -66,6 +78,8 @@ class ToolWorldFamily:
     self.seed_world = seed_world
     self.max_turns = max_turns
     self.truncated_outcome = float(truncated_outcome)
+    self.wrong_outcome = float(wrong_outcome)
+    self.malformed_outcome = None if malformed_outcome is None else float(malformed_outcome)
     self.difficulties = tuple(difficulties)
     self.world = World.build(seed_world)
 
@@ -149,7 +163,13 @@ class ToolWorldFamily:
       return Outcome(-1.0, False, False, {**details, "reason": "malformed_answer"})
     details["answer"] = answer
     if verify.is_unable(answer):
-      return Outcome(0.0, False, False, {**details, "reason": "unable_to_answer"})
-    correct = verify.matches(task.answer, answer)
-    return Outcome(1.0 if correct else -1.0, correct, True,
-                   {**details, "reason": "correct" if correct else "wrong"})
+      outcome = Outcome(0.0, False, False, {**details, "reason": "unable_to_answer"})
+    else:
+      correct = verify.matches(task.answer, answer)
+      outcome = Outcome(1.0 if correct else self.wrong_outcome, correct, True,
+                        {**details, "reason": "correct" if correct else "wrong"})
+    if self.malformed_outcome is not None and any(
+        not parse_step(str(m.get("content") or "")).fields_ok for m in replies):
+      return Outcome(self.malformed_outcome, outcome.correct, outcome.answered,
+                     {**outcome.details, "malformed": True})
+    return outcome
