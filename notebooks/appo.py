@@ -68,8 +68,9 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # the same preset (SFT, 2 mini-batches). The (N, B) sweep holds M = 16 fixed. The ablations
 # change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
 # alone, App. D) is an extra the config supports. The budget arms train the main job longer
-# (15 steps; 10 steps at 10x the learning rate; 10 steps with N = 4), to see whether RL moves
-# past SFT given more steps or more signal.
+# (15 steps; then 10 steps each: at 10x the learning rate, with N = 4, with APPO's reward
+# shape, that reward at 3x the learning rate, and with 4 prompts a step), to see whether RL
+# moves past SFT given more steps or more signal.
 
 # %%
 APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
@@ -101,8 +102,19 @@ ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", 
 # reward spread. Its seed 1 peaked at 22.9 GB in one step and was killed for memory on a
 # 23 GiB machine (RESULTS.md).
 TEN = {"num_steps": 10, "eval_every_steps": 5}
+# Then the reward: APPO's public reward shape in place of PORTool's (a wrong but well-formed
+# answer 0, a tool call that does not parse -1; configs/apppo.py's :reward=gated, which at
+# this scale must go in the overrides: the preset sets task.kwargs), at the preset's learning
+# rate and at 3x it. Then 4 prompts a step in 4 mini-batches of one (twice the samples and
+# the updates of a step), PORTool's reward.
+GATED = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
 PROBES = [ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
-          ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS)]
+          ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS),
+          ex.Arm("appo_gated_steps10", "apppo", {**TEN, **GATED}, seeds=SEEDS),
+          ex.Arm("appo_gated_lr3e-4_steps10", "apppo", {**TEN, **GATED, "optim.lr": 3e-4},
+                 seeds=SEEDS),
+          ex.Arm("appo_p4_steps10", "apppo",
+                 {**TEN, "prompts_per_step": 4, "algo.num_minibatches": 4}, seeds=SEEDS)]
 BUDGET = [APPO, ex.Arm("appo_steps15", "apppo", {"num_steps": 15, "eval_every_steps": 5},
                        seeds=SEEDS), *PROBES]
 ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS, BUDGET)  # all validated first
@@ -142,11 +154,15 @@ BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accur
 # (the N initial rollouts; the branches), and the flat or ARPO group of the baselines.
 SIGNAL_COLUMNS = ["train/adv/z_init_zero_std_rate", "train/adv/z_branch_zero_std_rate",
                   "train/adv/zero_std_frac"]
+# Where the held-out episodes went: formatting rubric, truncated (turn limit), unanswered.
+FAILURE_COLUMNS = ["sft/avg_formatting_raw", "rl/avg_formatting_raw", "sft/truncated_rate",
+                   "rl/truncated_rate", "sft/unanswerable_rate", "rl/unanswerable_rate"]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
             "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15, 10 for the "
             "others)": (BUDGET, BUDGET_COLUMNS),
-            "Groups without reward spread (last 5 steps)": (MAIN + PROBES, SIGNAL_COLUMNS)}
+            "Groups without reward spread (last 5 steps)": (MAIN + PROBES, SIGNAL_COLUMNS),
+            "How the budget probes' policies failed (final eval)": (BUDGET, FAILURE_COLUMNS)}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
 

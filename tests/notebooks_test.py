@@ -302,6 +302,18 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
   assert awpo_key == ex.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
   assert awpo_key != ex.warm_start_key(appo)
   assert ex.scale_overrides("smoke", "toolworld") == {} and ex.scale_overrides("cpu") == {}
+  # An `:arg` that changes a field the scale sets would be undone silently: refused, with
+  # the way out (the arm's overrides), which then wins.
+  with pytest.raises(ValueError, match=r"'apppo:reward=gated' changes \['task.kwargs'\].*"
+                                       "arm's overrides"):
+    ex.build_config(ex.Arm("g", "apppo:reward=gated"), 0, "cpu")
+  with pytest.raises(ValueError, match=r"changes \['num_steps'\]"):
+    ex.build_config(ex.Arm("g", "grpo:steps=9"), 0, "cpu")
+  gated = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
+  config = ex.build_config(ex.Arm("g", "apppo:reward=gated", gated), 0, "cpu")
+  assert config.task.kwargs.malformed_outcome == -1.0
+  assert ex.build_config(ex.Arm("g", "apppo:reward=gated"), 0, "smoke").task.kwargs \
+      .wrong_outcome == 0.0  # the smoke scale sets nothing
 
 
 def test_scales_and_results_roots(monkeypatch):

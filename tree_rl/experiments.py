@@ -258,15 +258,27 @@ def _set(config: Any, dotted: str, value: Any) -> None:
 
 def build_config(arm: Arm, seed: int, scale: str) -> Any:
   """The arm's ConfigDict for `seed` at `scale`: config file (with the scale's and the arm's
-  `:arg`), then `scale_overrides`, then `arm.overrides`, then `seed`."""
+  `:arg`), then `scale_overrides`, then `arm.overrides`, then `seed`. An `:arg` that changes
+  a field the scale sets (configs/apppo.py's `:reward=gated` sets `task.kwargs`) raises,
+  unless the arm's overrides restore it: the scale would otherwise undo it unseen."""
   root = str(repo_root())
   if root not in sys.path:  # the configs import `configs.common`; they are not installed
     sys.path.insert(0, root)
   module, arg = _split_config(arm.config)
-  config = importlib.import_module(f"configs.{module}").get_config(
-      ",".join(filter(None, [scale_args(scale), arg])))
-  for key, value in {**scale_overrides(scale, config.task.family), **arm.overrides}.items():
+  get_config = importlib.import_module(f"configs.{module}").get_config
+  config = get_config(",".join(filter(None, [scale_args(scale), arg])))
+  scaled = scale_overrides(scale, config.task.family)
+  asked = config.copy_and_resolve_references() if arg and scaled else None
+  for key, value in {**scaled, **arm.overrides}.items():
     _set(config, key, value)
+  if asked is not None:  # an `:arg` whose change the scale undid, silently: refused
+    plain = get_config(scale_args(scale))
+    lost = [key for key in scaled if _get(asked, key) != _get(plain, key)
+            and _get(config, key) != _get(asked, key)]
+    if lost:
+      raise ValueError(f"arm {arm.name!r}: {arm.config!r} changes {lost}, which the {scale} "
+                       "scale sets on every arm of its task family; put the change in the "
+                       "arm's overrides instead")
   config.seed = int(seed)
   return config
 
