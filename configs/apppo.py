@@ -21,8 +21,9 @@ a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantize
 float32 at import, not the original bf16 weights. Measured: base 0.0 -> SFT 0.344 -> RL
 0.344 (seed 0) and 0.0 -> 0.438 -> 0.375 (seed 1). At this budget RL does not beat SFT,
 nor after 10 or 15 steps (seed 0: 0.375, 0.344; results/appo/appo_steps15_s0), nor in 10
-steps at lr 1e-3 (0.125) or with :init=4 (0.344). GRPO and ARPO on this preset, and the
-ablations: RESULTS.md.
+steps at lr 1e-3 (0.125) or with :init=4 (0.344). Nor, at both seeds, in 10 steps with
+:reward=gated (0.375, 0.438), with 4 prompts a step (0.469, 0.281) or with both (GP4_DOC,
+0.438). GRPO and ARPO on this preset, and the ablations: RESULTS.md.
 """
 
 from configs import common

@@ -69,8 +69,8 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
 # alone, App. D) is an extra the config supports. The budget arms train the main job longer
 # (15 steps; then 10 steps each: at 10x the learning rate, with N = 4, with APPO's reward
-# shape, that reward at 3x the learning rate, and with 4 prompts a step), to see whether RL
-# moves past SFT given more steps or more signal.
+# shape, that reward at 3x the learning rate, and with 4 prompts a step under either
+# reward), to see whether RL moves past SFT given more steps or more signal.
 
 # %%
 APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
@@ -106,15 +106,16 @@ TEN = {"num_steps": 10, "eval_every_steps": 5}
 # answer 0, a tool call that does not parse -1; configs/apppo.py's :reward=gated, which at
 # this scale must go in the overrides: the preset sets task.kwargs), at the preset's learning
 # rate and at 3x it. Then 4 prompts a step in 4 mini-batches of one (twice the samples and
-# the updates of a step), PORTool's reward.
+# the updates of a step), with PORTool's reward and with APPO's.
 GATED = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
+P4 = {"prompts_per_step": 4, "algo.num_minibatches": 4}
 PROBES = [ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
           ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS),
           ex.Arm("appo_gated_steps10", "apppo", {**TEN, **GATED}, seeds=SEEDS),
           ex.Arm("appo_gated_lr3e-4_steps10", "apppo", {**TEN, **GATED, "optim.lr": 3e-4},
                  seeds=SEEDS),
-          ex.Arm("appo_p4_steps10", "apppo",
-                 {**TEN, "prompts_per_step": 4, "algo.num_minibatches": 4}, seeds=SEEDS)]
+          ex.Arm("appo_p4_steps10", "apppo", {**TEN, **P4}, seeds=SEEDS),
+          ex.Arm("appo_gated_p4_steps10", "apppo", {**TEN, **GATED, **P4}, seeds=SEEDS)]
 BUDGET = [APPO, ex.Arm("appo_steps15", "apppo", {"num_steps": 15, "eval_every_steps": 5},
                        seeds=SEEDS), *PROBES]
 ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS, BUDGET)  # all validated first
