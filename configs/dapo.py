@@ -9,7 +9,7 @@ Ablations: :task=math ; :dynamic=false (no dynamic sampling: every group is trai
 on) ; :runlocal.
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy vs GRPO at equal steps. These defaults are not yet
-measured. On the main job's CPU preset (notebooks/portool.py): SFT 0.344 -> 0.531 (seed 0)
+measured. On the notebooks' CPU preset (notebooks/portool.py): SFT 0.344 -> 0.531 (seed 0)
 and 0.438 -> 0.469 (seed 1), GRPO 0.469 and 0.438: results/portool/, RESULTS.md.
 """
 

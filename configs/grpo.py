@@ -6,7 +6,7 @@ Command (CPU, the default SmolLM2-135M-Instruct with LoRA):
 Ablations: --config=configs/grpo.py:task=math,steps=20 ; runlocal (tiny model, 2 steps).
 Hardware: a 2-core CPU runs the default; a GPU runs larger models (model=hf).
 Expected metric: eval/accuracy on held-out tool-world tasks vs the SFT model. These
-defaults are not yet measured. On the main job's CPU preset (notebooks/portool.py): SFT
+defaults are not yet measured. On the notebooks' CPU preset (notebooks/portool.py): SFT
 0.344 -> 0.469 (seed 0) and 0.438 -> 0.438 (seed 1): results/portool/, RESULTS.md.
 """
 

@@ -7,7 +7,7 @@ Ablations: :n=8 (trajectories per prompt) ; :surrogate=two_term (App. B: traject
 fork terms clipped separately; default: Eq. 3's one clipped term) ; :runlocal.
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy and eval/avg_formatting_raw. These defaults (all 17 tools,
-difficulties 1-5) are not yet measured. On the main job's CPU preset (configs/apppo.py's
+difficulties 1-5) are not yet measured. On the notebooks' CPU preset (configs/apppo.py's
 model, tasks, SFT and 5 RL steps; notebooks/portool.py) held-out accuracy went from SFT
 0.344 -> 0.500 (seed 0) and 0.438 -> 0.469 (seed 1): results/portool/, RESULTS.md.
 """

@@ -9,8 +9,10 @@
 # M = 16, ablates the Branching Score (entropy only), the dual group and A_fut (§4.3), and
 # reports pass@k. tree_rl's readings of the paper: `docs/methods/appo.md`.
 #
-# Every arm is `configs/apppo.py` (the README's main job: the tool world with 3 tools per
-# task, an SFT warm start, 2 PPO mini-batches a step) plus overrides, so the baselines share
+# Every arm is `configs/apppo.py` (the README's main job) on the cpu scale's preset, plus
+# overrides: the tool world with 3 tools per task, an SFT warm start, 5 RL steps of 2
+# prompts in 2 PPO mini-batches, PORTool's reward (the main job's budget and reward when
+# these arms ran; it now trains the `appo_gated_p4_steps10` arm's). So the baselines share
 # its preset and change only the method. Runs go through
 # `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
 # `results/appo/<arm>_s<seed>/` (`docs/notebooks.md`).
@@ -67,7 +69,7 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # groups of 4 and ARPO with 2 initial rollouts and a budget of 4 (twice its group), both on
 # the same preset (SFT, 2 mini-batches). The (N, B) sweep holds M = 16 fixed. The ablations
 # change one APPO option each at M = 4; `bs_future` (the Branching Score's future value
-# alone, App. D) is an extra the config supports. The budget arms train the main job longer
+# alone, App. D) is an extra the config supports. The budget arms train the preset longer
 # (15 steps; then 10 steps each: at 10x the learning rate, with N = 4, with APPO's reward
 # shape, that reward at 3x the learning rate, and with 4 prompts a step under either
 # reward), to see whether RL moves past SFT given more steps or more signal.
@@ -95,7 +97,7 @@ N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
        for n, b in ((8, 1), (4, 3), (2, 7))]
 ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
              appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
-# The RL budget: the main job's run for 15 steps, evaluated after 5, 10 and 15. The learning
+# The RL budget: the preset's run for 15 steps, evaluated after 5, 10 and 15. The learning
 # rate is constant, so its step-5 eval is the 5-step `appo` run's final eval. Then two
 # 10-step runs that look for a budget where RL beats SFT: 10x the learning rate, and twice
 # the leaves per prompt (N = 4 initial rollouts, B = 1: M = 8), so that fewer groups lack
@@ -106,7 +108,8 @@ TEN = {"num_steps": 10, "eval_every_steps": 5}
 # answer 0, a tool call that does not parse -1; configs/apppo.py's :reward=gated, which at
 # this scale must go in the overrides: the preset sets task.kwargs), at the preset's learning
 # rate and at 3x it. Then 4 prompts a step in 4 mini-batches of one (twice the samples and
-# the updates of a step), with PORTool's reward and with APPO's.
+# the updates of a step), with PORTool's reward and with APPO's: the last is the README main
+# job's default since.
 GATED = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
 P4 = {"prompts_per_step": 4, "algo.num_minibatches": 4}
 PROBES = [ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
@@ -150,7 +153,8 @@ runs = ex.load_runs(ROOT, PAPER)
 COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "train/reward/outcome_mean",
            "train/rollout/policy_tokens"]
 PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
-BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accuracy"]
+BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accuracy",
+                  "rl_minus_sft/accuracy"]
 # How often a group carried no gradient (all its leaves' rewards equal): APPO's two groups
 # (the N initial rollouts; the branches), and the flat or ARPO group of the baselines.
 SIGNAL_COLUMNS = ["train/adv/z_init_zero_std_rate", "train/adv/z_branch_zero_std_rate",

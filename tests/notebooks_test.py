@@ -312,8 +312,11 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
   gated = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
   config = ex.build_config(ex.Arm("g", "apppo:reward=gated", gated), 0, "cpu")
   assert config.task.kwargs.malformed_outcome == -1.0
-  assert ex.build_config(ex.Arm("g", "apppo:reward=gated"), 0, "smoke").task.kwargs \
-      .wrong_outcome == 0.0  # the smoke scale sets nothing
+  assert "wrong_outcome" not in ex.build_config(  # the smoke scale sets nothing
+      ex.Arm("g", "apppo:reward=portool"), 0, "smoke").task.kwargs
+  # The preset is the main job at its earlier budget and reward, which the runs used.
+  assert (appo.prompts_per_step, appo.algo.num_minibatches, appo.num_steps) == (2, 2, 5)
+  assert "wrong_outcome" not in appo.task.kwargs
 
 
 def test_scales_and_results_roots(monkeypatch):

@@ -296,8 +296,11 @@ def test_unknown_config_key_and_argument_fail_with_the_valid_ones(tmp_path):
     _config("grpo", "runlocal,stpes=3")
   with pytest.raises(ValueError, match=r"reward='f1'; valid: \['gated', 'portool'\]"):
     _config("apppo", "runlocal,reward=f1")
-  gated = _config("apppo", "runlocal,reward=gated").task.kwargs
+  gated = _config("apppo", "runlocal").task.kwargs  # the main job's default
   assert (gated.wrong_outcome, gated.malformed_outcome) == (0.0, -1.0)
+  assert "wrong_outcome" not in _config("apppo", "runlocal,reward=portool").task.kwargs
+  with pytest.raises(ValueError, match="prompts=0 must be >= 1"):
+    _config("apppo", "prompts=0")
 
 
 def test_incompatible_checkpoint_in_workdir_fails_clearly(tmp_path):

@@ -152,6 +152,10 @@ def scale_args(scale: str) -> str:
 # the main job does. In one mini-batch, without rematerialisation, a GRPO or PORTool update
 # of 2 prompts took over 20 GB and was killed on a 24 GB machine.
 CPU_TOOLWORLD_PRESET = "apppo"
+# ... at the main job's earlier budget and reward, where every committed cpu-scale run ran:
+# 5 RL steps of 2 prompts, PORTool's reward. The main job itself now trains 10 steps of 4
+# prompts on the format-gated reward (docs/notebooks.md#the-cpu-scale).
+CPU_TOOLWORLD_ARG = "prompts=2,steps=5,reward=portool"
 # The part of that preset that other task families (BFCL, search QA) take at the cpu scale:
 # the training recipe (LoRA targets, SFT warm start, learning rate, sampling temperature,
 # budget), not the task's shape (their own prompts, token limits and eval sets) nor its
@@ -186,7 +190,8 @@ def scale_overrides(scale: str, family: str | None = None) -> dict[str, Any]:
   """
   _check_scale(scale)
   if scale == "cpu" and family is not None:
-    preset = importlib.import_module(f"configs.{CPU_TOOLWORLD_PRESET}").get_config("")
+    preset = importlib.import_module(f"configs.{CPU_TOOLWORLD_PRESET}").get_config(
+        CPU_TOOLWORLD_ARG)
     fields = CPU_TOOLWORLD_FIELDS if family == "toolworld" else CPU_RECIPE_FIELDS
     return {field: _get(preset, field) for field in fields}
   if scale != "gpu":
@@ -268,11 +273,15 @@ def build_config(arm: Arm, seed: int, scale: str) -> Any:
   get_config = importlib.import_module(f"configs.{module}").get_config
   config = get_config(",".join(filter(None, [scale_args(scale), arg])))
   scaled = scale_overrides(scale, config.task.family)
-  asked = config.copy_and_resolve_references() if arg and scaled else None
   for key, value in {**scaled, **arm.overrides}.items():
     _set(config, key, value)
-  if asked is not None:  # an `:arg` whose change the scale undid, silently: refused
-    plain = get_config(scale_args(scale))
+  if arg and scaled:  # an `:arg` whose change the scale undid, silently: refused
+    # The reference is the config the scale's values come from (the preset's own `:arg` for
+    # its config file), so `apppo:reward=gated` counts as a change even though gated is
+    # apppo's default: the preset is PORTool's reward.
+    preset_arg = CPU_TOOLWORLD_ARG if module == CPU_TOOLWORLD_PRESET and scale == "cpu" else ""
+    plain = get_config(",".join(filter(None, [scale_args(scale), preset_arg])))
+    asked = get_config(",".join(filter(None, [scale_args(scale), preset_arg, arg])))
     lost = [key for key in scaled if _get(asked, key) != _get(plain, key)
             and _get(config, key) != _get(asked, key)]
     if lost:
