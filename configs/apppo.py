@@ -15,7 +15,7 @@ Hardware: a 2-core CPU, float32. Measured on 2 cores (SmolLM2 already converted 
 ~/.cache/tree_rl) as the APPO notebook's `appo_gated_p4_steps10` arm, which runs this
 config in two processes with one more eval, after 5 steps
 (results/appo/appo_gated_p4_steps10_s<seed>/): base eval, 10 SFT steps of 4 oracle
-trajectories merged below their shared system prompt and the SFT eval 243-245 s; then 10
+trajectories merged below their shared system prompt and the SFT eval 242-246 s; then 10
 RL steps of 4 prompts and the evals 828-904 s (about 75 s a step, an eval of 32 tasks
 about 60-70 s).
 Expected metric: held-out accuracy (32 tasks) printed at the end. The scores below are
