@@ -49,13 +49,9 @@ def get_config(arg=None):
   c.algo.estimator_kwargs = dict(n_init=arg.init, budget=(arg.branch + 1) * arg.init)
   c.rollout.strategy = "appo"
   c.rollout.strategy_kwargs = dict(branch_timing=arg.timing)
-  # One PPO mini-batch per prompt: each prompt is branched with the policy after the
-  # previous one's update (the paper's mini-batch loop). One prompt at a time also bounds
-  # the update's memory without rematerialisation (below).
   if arg.prompts < 1:
     raise ValueError(f":prompts={arg.prompts} must be >= 1")
   c.prompts_per_step = arg.prompts
-  c.algo.num_minibatches = arg.prompts
   c.rollout.samples_per_task = arg.init
   # The CPU preset (README's main job, fitted to 20 minutes on 2 cores): 3 tools per
   # task (the oracle's + distractors) instead of all 17 keep the system prompt near 0.5k
@@ -87,8 +83,11 @@ def get_config(arg=None):
   c.sft.tasks_per_step = 4
   c.sft.lr = 2e-3
   c = common.apply_common_args(c, arg)
-  if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt, 2 prompts in 2 mini-batches
+  if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)
     c.rollout.samples_per_task = 2
-    c.algo.num_minibatches = c.prompts_per_step
+  # One PPO mini-batch per prompt: each prompt is branched with the policy after the
+  # previous one's update (the paper's mini-batch loop). One prompt at a time also bounds
+  # the update's memory without rematerialisation (above).
+  c.algo.num_minibatches = c.prompts_per_step
   return c

@@ -271,17 +271,17 @@ def build_config(arm: Arm, seed: int, scale: str) -> Any:
     sys.path.insert(0, root)
   module, arg = _split_config(arm.config)
   get_config = importlib.import_module(f"configs.{module}").get_config
-  config = get_config(",".join(filter(None, [scale_args(scale), arg])))
+  # The preset's own file starts from the preset's `:arg` (the fields the scale sets), so
+  # `apppo:reward=gated` is a change from it although gated is apppo's default.
+  preset_arg = CPU_TOOLWORLD_ARG if module == CPU_TOOLWORLD_PRESET and scale == "cpu" else ""
+  base = [scale_args(scale), preset_arg]
+  config = get_config(",".join(filter(None, [*base, arg])))
   scaled = scale_overrides(scale, config.task.family)
+  asked = config.copy_and_resolve_references() if arg and scaled else None
   for key, value in {**scaled, **arm.overrides}.items():
     _set(config, key, value)
-  if arg and scaled:  # an `:arg` whose change the scale undid, silently: refused
-    # The reference is the config the scale's values come from (the preset's own `:arg` for
-    # its config file), so `apppo:reward=gated` counts as a change even though gated is
-    # apppo's default: the preset is PORTool's reward.
-    preset_arg = CPU_TOOLWORLD_ARG if module == CPU_TOOLWORLD_PRESET and scale == "cpu" else ""
-    plain = get_config(",".join(filter(None, [scale_args(scale), preset_arg])))
-    asked = get_config(",".join(filter(None, [scale_args(scale), preset_arg, arg])))
+  if asked is not None:  # an `:arg` whose change the scale undid, silently: refused
+    plain = get_config(",".join(filter(None, base)))
     lost = [key for key in scaled if _get(asked, key) != _get(plain, key)
             and _get(config, key) != _get(asked, key)]
     if lost:
