@@ -337,6 +337,25 @@ def test_scales_and_results_roots(monkeypatch):
       "runlocal", "", {})
 
 
+def test_provenance_marks_code_edits_dirty_but_not_results(tmp_path):
+  git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True,
+                                  capture_output=True, text=True).stdout.strip()
+  git("init", "-q")
+  (tmp_path / "results" / "run_s0").mkdir(parents=True)
+  (tmp_path / "results" / "run_s0" / "metrics.jsonl").write_text("{}\n")
+  (tmp_path / "code.py").write_text("x = 1\n")
+  git("add", "-A")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+  head = git("rev-parse", "--short=12", "HEAD")
+  assert ex.provenance(tmp_path)["commit"] == head
+  (tmp_path / "results" / "run_s0" / "metrics.jsonl").unlink()  # a rerun empties its folder
+  (tmp_path / "untracked.py").write_text("y = 2\n")
+  assert ex.provenance(tmp_path)["commit"] == head
+  (tmp_path / "code.py").write_text("x = 2\n")
+  assert ex.provenance(tmp_path)["commit"] == head + "+dirty"
+  assert ex.provenance(tmp_path / "not_a_repo")["commit"] == "unknown"
+
+
 def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, capsys):
   from tree_rl import train
 

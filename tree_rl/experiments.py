@@ -311,17 +311,19 @@ def run_dir(root: str | pathlib.Path, paper: str, arm: str, seed: int) -> pathli
   return pathlib.Path(root) / paper / f"{arm}_s{int(seed)}"
 
 
-def provenance() -> dict[str, str]:
-  """Where a run ran: tree_rl's git commit (with "+dirty" for uncommitted changes, "unknown"
-  outside a git clone), and the machine (JAX backend, device kind and count, CPU cores)."""
+def provenance(repo: str | pathlib.Path | None = None) -> dict[str, str]:
+  """Where a run ran: the git commit of `repo` (default: tree_rl's checkout), with "+dirty"
+  for uncommitted changes to tracked files outside results/ ("unknown" outside a git
+  clone), and the machine (JAX backend, device kind and count, CPU cores)."""
   import jax  # noqa: PLC0415
 
-  repo = pathlib.Path(__file__).resolve().parent.parent
+  repo = pathlib.Path(repo) if repo else pathlib.Path(__file__).resolve().parent.parent
   try:
     git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], capture_output=True,
                                     text=True, timeout=10, check=True).stdout.strip()
     commit = git("rev-parse", "--short=12", "HEAD")
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # results/ holds runs, not code (and a rerun empties its own committed folder first).
+    if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"):
       commit += "+dirty"
   except (OSError, subprocess.SubprocessError):
     commit = "unknown"
