@@ -46,7 +46,8 @@ if "google.colab" in sys.modules:
 # `REPLOT_ONLY` (`$TREE_RL_REPLOT_ONLY=1`) trains nothing at all, so the tables and plots
 # come from the finished runs alone.
 # `PASS_K`: the main arms' final policies are also sampled `PASS_K` times per held-out task
-# (at the rollout temperature) for pass@1..`PASS_K`.
+# (at the rollout temperature) for pass@1..`PASS_K`, and so are the SFT policies they
+# started from.
 
 # %%
 SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")
@@ -146,17 +147,19 @@ if SCALE != "smoke":
 # ## Results
 #
 # Held-out accuracy after SFT and after RL (greedy) and their difference per seed (the same
-# tasks, so the seeds' SFT differences cancel), pass@k of the sampled final policy, the
-# training reward (mean of the last 5 steps) and the policy tokens sampled a step (the
-# rollout cost): mean ± std over seeds, n seeds. The budget table has the accuracy after
-# SFT and after 5, 10 and 15 RL steps; the last table, the fraction of groups whose leaves
-# all scored the same, so that they had zero advantage (main arms and the 10-step budget arms).
+# tasks, so the seeds' SFT differences cancel), pass@k of the sampled final policy and of
+# the SFT policy it started from, the training reward (mean of the last 5 steps) and the
+# policy tokens sampled a step (the rollout cost): mean ± std over seeds, n seeds. The
+# budget table has the accuracy after SFT and after 5, 10 and 15 RL steps; then the
+# fraction of groups whose leaves all scored the same, so that they had zero advantage
+# (main arms and the 10-step budget arms), and how the budget arms' policies failed.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
 COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "train/reward/outcome_mean",
            "train/rollout/policy_tokens"]
 PASS_COLUMNS = [f"sampled/pass@{k}" for k in range(1, PASS_K + 1)]
+SFT_PASS_COLUMNS = [f"sft_sampled/pass@{k}" for k in range(1, PASS_K + 1)]
 BUDGET_COLUMNS = ["sft/accuracy", "step5/accuracy", "step10/accuracy", "rl/accuracy",
                   "rl_minus_sft/accuracy"]
 # How often a group carried no gradient (all its leaves' rewards equal): APPO's two groups
@@ -167,6 +170,8 @@ SIGNAL_COLUMNS = ["train/adv/z_init_zero_std_rate", "train/adv/z_branch_zero_std
 FAILURE_COLUMNS = ["sft/avg_formatting_raw", "rl/avg_formatting_raw", "sft/truncated_rate",
                    "rl/truncated_rate", "sft/unanswerable_rate", "rl/unanswerable_rate"]
 SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
+            "pass@k of the SFT policy each main arm started from (its warm start)": (
+                MAIN, SFT_PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
             "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15, 10 for the "
             "others)": (BUDGET, BUDGET_COLUMNS),

@@ -484,6 +484,29 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
   assert ex.config_changes(run.path, ex.build_config(other_rl, 0, "smoke")) == []
   assert ex.load_runs(tmp_path, "p")[0].arm == "grpo"  # .warm_starts is not a paper's run
 
+  # pass_k: the SFT policy (the warm start's checkpoint) is sampled once per warm start and
+  # k, and each arm's folder gets it beside its own policy's sampled eval.
+  sampled = []
+
+  def fake_sampled_eval(path, num_samples):
+    path = pathlib.Path(path)
+    sampled.append((path.name, num_samples))
+    score = 0.25 if path.parent.name == ".warm_starts" else 0.5
+    metrics = {f"pass@{k}": score + 0.1 * k for k in range(1, num_samples + 1)}
+    (path / "eval_sampled.json").write_text(json.dumps({"metrics": metrics}))
+    return metrics
+
+  monkeypatch.setattr(ex, "sampled_eval", fake_sampled_eval)
+  for name in ("grpo_pass", "grpo_pass2"):
+    ex.run_arm("p", ex.Arm(name, "grpo", {"sft.steps": 1}), 0, "smoke", tmp_path, pass_k=2,
+               isolate=False)
+  assert sampled == [(f"{key}_s0", 2), ("grpo_pass_s0", 2), ("grpo_pass2_s0", 2)]
+  run = ex.load_run(tmp_path / "p" / "grpo_pass2_s0")
+  assert (run.final["sft_sampled/pass@2"], run.final["sampled/pass@2"]) == (0.45, 0.7)
+  ex.run_arm("p", ex.Arm("grpo_pass3", "grpo", {"sft.steps": 1}), 0, "smoke", tmp_path,
+             pass_k=3, isolate=False)  # a larger k samples the SFT policy again
+  assert sampled[3:] == [(f"{key}_s0", 3), ("grpo_pass3_s0", 3)]
+
 
 def test_warm_start_key_tracks_what_the_prefix_reads():
   base = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1}), 0, "smoke")

@@ -8,10 +8,11 @@ results re-plot without re-running anything (docs/notebooks.md).
 
 Layout: `<root>/<paper>/<arm>_s<seed>/` holds one run's small files, the ones worth
 committing: metrics.jsonl (every step and eval row), eval_<stage>.json (base / sft / rl /
-step<k>, and `sampled` for pass@k), phases.txt, config.json (the resolved config) and
-arm.json, written last, which marks the run finished. Checkpoints, TensorBoard events,
-transcripts and the per-run curves PNG are deleted once the run is done (`KEEP`); an
-interrupted run keeps its checkpoints, so running its arm again resumes it.
+step<k>, and `sampled` / `sft_sampled` for the RL / SFT policy's pass@k), phases.txt,
+config.json (the resolved config) and arm.json, written last, which marks the run
+finished. Checkpoints, TensorBoard events, transcripts and the per-run curves PNG are
+deleted once the run is done (`KEEP`); an interrupted run keeps its checkpoints, so
+running its arm again resumes it.
 
 Warm starts: arms that differ only in what the RL phase reads (`RL_ONLY_FIELDS`: the
 estimator, the branching, the group size, the number of steps...) would each repeat the
@@ -402,6 +403,12 @@ def _train(config: Any, workdir: str | pathlib.Path, pass_k: int = 0) -> dict[st
   return result
 
 
+def _sampled_eval(path: str | pathlib.Path, num_samples: int) -> dict[str, float]:
+  """`sampled_eval` with the process set up as for training (`_setup_process`)."""
+  _setup_process()
+  return sampled_eval(path, num_samples)
+
+
 # The child's first statement: it takes the parent's sys.path (so it imports the same
 # tree_rl, and the caller's modules), then runs the pickled call. A script of its own, not
 # multiprocessing's spawn, which re-runs the parent's __main__ (a notebook run as a script).
@@ -497,15 +504,29 @@ def warm_start_key(config: Any) -> str:
   return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def warm_start(config: Any, root: str | pathlib.Path, isolate: bool = True) -> pathlib.Path:
+def warm_start(config: Any, root: str | pathlib.Path, isolate: bool = True, pass_k: int = 0
+               ) -> pathlib.Path:
   """The folder of `config`'s warm start under `<root>/.warm_starts/`: its base eval, SFT
   and SFT eval, run now (`num_steps=0`; in a child process when `isolate`) unless a
   finished one is there (`warm.json`, written last; an interrupted one resumes). Its
   `checkpoints/` holds the policy after SFT with a fresh RL optimizer state, which
-  `config.resume` restores."""
+  `config.resume` restores. pass_k > 0: the SFT policy's `sampled_eval` too (once per
+  warm start and k), the baseline of the RL policies' pass@k."""
   path = pathlib.Path(root) / WARM_DIR / f"{warm_start_key(config)}_s{int(config.seed)}"
-  if (path / WARM_MARKER).is_file():
-    return path
+  if not (path / WARM_MARKER).is_file():
+    _run_warm_start(config, path, isolate)
+  sampled = (_read_json(path / "eval_sampled.json") or {}).get("metrics") or {}
+  if pass_k and f"pass@{pass_k}" not in sampled:
+    print(f"=== warm start {path.name}: sampled eval, pass@1..{pass_k}", flush=True)
+    if isolate:
+      call_in_child(_sampled_eval, str(path), pass_k)
+    else:
+      _sampled_eval(path, pass_k)
+  return path
+
+
+def _run_warm_start(config: Any, path: pathlib.Path, isolate: bool) -> None:
+  """Runs the warm start in `path` (`warm_start`) and marks it finished."""
   warm = config.copy_and_resolve_references()
   warm.num_steps = 0
   where, started = provenance(), time.perf_counter()
@@ -518,7 +539,6 @@ def warm_start(config: Any, root: str | pathlib.Path, isolate: bool = True) -> p
   tmp = path / (WARM_MARKER + ".tmp")
   tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
   tmp.replace(path / WARM_MARKER)
-  return path
 
 
 def _graft_warm_start(path: pathlib.Path, warm: pathlib.Path) -> None:
@@ -548,7 +568,8 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   from the one this arm builds now. An unfinished one resumes from its checkpoint.
 
   pass_k > 0: after training, the final policy is also evaluated with pass_k samples per
-  held-out task at the rollout temperature (`sampled_eval`: eval_sampled.json, pass@1..k).
+  held-out task at the rollout temperature (`sampled_eval`: eval_sampled.json, pass@1..k),
+  and so is the warm start's SFT policy (eval_sft_sampled.json).
   keep_checkpoints: keep the checkpoints and TensorBoard events (not worth committing).
   replot_only: train nothing (regenerating tables from committed results must never start
   hours of training); returns the finished run's record, else None.
@@ -574,7 +595,7 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
     shutil.rmtree(path)
   warm = None
   if share_warm_start and config.sft.steps and not config.resume:
-    warm = warm_start(config, root, isolate)
+    warm = warm_start(config, root, isolate, pass_k)
     config.resume = str((warm / "checkpoints").resolve())
   where = provenance()  # at the start: the code that trains, not a later edit
   started = time.perf_counter()  # the warm start's own wall is in its record
@@ -585,6 +606,8 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
                             f"run the cell again to resume it")
   if warm is not None:
     _graft_warm_start(path, warm)
+    if pass_k:  # the SFT policy's pass@k, beside the RL policy's
+      shutil.copyfile(warm / "eval_sampled.json", path / "eval_sft_sampled.json")
   if not keep_checkpoints:
     prune(path)
   record = {"paper": paper, "arm": arm.name, "seed": int(seed), "scale": scale,
@@ -647,11 +670,11 @@ class Run:
   """What one run left on disk.
 
   Attributes:
-    final: "<stage>/<metric>" of each evaluation (stages base, sft, rl, step<k> and sampled;
-      from eval_<stage>.json, else from metrics.jsonl's eval rows), "rl_minus_sft/<metric>"
-      (what RL changed, per seed, on the same held-out tasks, for each metric both evals
-      report), "train/<key>" (the mean of the last TAIL_STEPS RL steps' finite values of
-      each logged key) and "wall_s" (phases.txt's wall time).
+    final: "<stage>/<metric>" of each evaluation (stages base, sft, rl, step<k>, sampled
+      and sft_sampled; from eval_<stage>.json, else from metrics.jsonl's eval rows),
+      "rl_minus_sft/<metric>" (what RL changed, per seed, on the same held-out tasks, for
+      each metric both evals report), "train/<key>" (the mean of the last TAIL_STEPS RL
+      steps' finite values of each logged key) and "wall_s" (phases.txt's wall time).
     history: metrics.jsonl's rows in order (RL steps, SFT steps and evals, see `phase`).
     finished: `is_finished`; an unfinished run's numbers are as far as it got.
   """
