@@ -152,7 +152,8 @@ if SCALE != "smoke":
 # policy tokens sampled a step (the rollout cost): mean ± std over seeds, n seeds. The
 # budget table has the accuracy after SFT and after 5, 10 and 15 RL steps; then the
 # fraction of groups whose leaves all scored the same, so that they had zero advantage
-# (main arms and the 10-step budget arms), and how the budget arms' policies failed.
+# (main arms, (N, B) arms and the 10-step budget arms), and how the budget arms' policies
+# failed.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -175,7 +176,8 @@ SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "(N, B) at M = 16": (N_B, COLUMNS), "Ablations (M = 4)": (ABLATIONS, COLUMNS),
             "RL budget (rl/ is the last step's eval: 5 for appo, 15 for appo_steps15, 10 for the "
             "others)": (BUDGET, BUDGET_COLUMNS),
-            "Groups without reward spread (last 5 steps)": (MAIN + PROBES, SIGNAL_COLUMNS),
+            "Groups without reward spread (last 5 steps)": (MAIN + N_B + PROBES,
+                                                            SIGNAL_COLUMNS),
             "How the budget probes' policies failed (final eval)": (BUDGET, FAILURE_COLUMNS)}
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
 ex.show(TABLES)
