@@ -58,6 +58,7 @@ KEEP = ("arm.json", "config.json", "metrics.jsonl", "phases.txt", "eval_*.json")
 FINISHED_MARKER = "arm.json"
 WARM_DIR = ".warm_starts"
 WARM_MARKER = "warm.json"
+SAMPLED_EVAL = "eval_sampled.json"  # `sampled_eval`'s report: pass@1..k
 # Config fields that only the RL phase reads: arms differing only here share a warm start.
 # Anything else (model, task, SFT, eval settings, the optimizer's kind, the seed) is in the
 # key, and so are the two RL choices that shape the checkpoint: a reference model
@@ -476,12 +477,15 @@ def call_in_child(fn: Any, *args: Any) -> Any:
   return value
 
 
+def _call(isolate: bool, fn: Any, *args: Any) -> Any:
+  """fn(*args), in a child process (`call_in_child`) when `isolate`."""
+  return call_in_child(fn, *args) if isolate else fn(*args)
+
+
 def _run(config: Any, workdir: str | pathlib.Path, isolate: bool, pass_k: int = 0
          ) -> dict[str, Any]:
   """`_train`, in a child process when `isolate`."""
-  if isolate:
-    return call_in_child(_train, config, str(workdir), pass_k)
-  return _train(config, workdir, pass_k)
+  return _call(isolate, _train, config, str(workdir), pass_k)
 
 
 def warm_start_key(config: Any) -> str:
@@ -515,13 +519,10 @@ def warm_start(config: Any, root: str | pathlib.Path, isolate: bool = True, pass
   path = pathlib.Path(root) / WARM_DIR / f"{warm_start_key(config)}_s{int(config.seed)}"
   if not (path / WARM_MARKER).is_file():
     _run_warm_start(config, path, isolate)
-  sampled = (_read_json(path / "eval_sampled.json") or {}).get("metrics") or {}
+  sampled = (_read_json(path / SAMPLED_EVAL) or {}).get("metrics") or {}
   if pass_k and f"pass@{pass_k}" not in sampled:
     print(f"=== warm start {path.name}: sampled eval, pass@1..{pass_k}", flush=True)
-    if isolate:
-      call_in_child(_sampled_eval, str(path), pass_k)
-    else:
-      _sampled_eval(path, pass_k)
+    _call(isolate, _sampled_eval, str(path), pass_k)
   return path
 
 
@@ -607,7 +608,7 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
   if warm is not None:
     _graft_warm_start(path, warm)
     if pass_k:  # the SFT policy's pass@k, beside the RL policy's
-      shutil.copyfile(warm / "eval_sampled.json", path / "eval_sft_sampled.json")
+      shutil.copyfile(warm / SAMPLED_EVAL, path / "eval_sft_sampled.json")
   if not keep_checkpoints:
     prune(path)
   record = {"paper": paper, "arm": arm.name, "seed": int(seed), "scale": scale,
@@ -658,7 +659,7 @@ def sampled_eval(path: str | pathlib.Path, num_samples: int) -> dict[str, float]
   report = evaluate(family, tasks, engine_policy(engine, chat, params),
                     num_samples=num_samples, pass_k=tuple(range(1, num_samples + 1)),
                     max_turns=r.max_turns or None, encode=chat.encode)
-  report.to_json(str(path / "eval_sampled.json"))
+  report.to_json(str(path / SAMPLED_EVAL))
   return dict(report.metrics)
 
 
