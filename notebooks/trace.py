@@ -118,15 +118,17 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 #
 # Held-out exact-match accuracy (greedy) after the SFT warm start and of the final policy,
 # with RL's change per seed on the same tasks, the training reward, the
-# fraction of trained groups with reward spread (TRACE eq. 21; tree methods only) and the
-# policy tokens sampled a step (training columns: mean of the last 5 steps): mean ± std
-# over seeds, n seeds.
+# fraction of trained prompts whose leaves' rewards differ (TRACE eq. 21, logged by the
+# `trace` strategy), the fraction whose leaves all scored the same (`adv/zero_std_frac`,
+# logged by every arm's estimator: 1 minus eq. 21's ratio, so GRPO's effective ratio too),
+# and the policy tokens sampled a step (training columns: mean of the last 5 steps): mean ±
+# std over seeds, n seeds.
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
 COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy",
            "train/reward/outcome_mean", "train/trace/effective_ratio",
-           "train/rollout/policy_tokens"]
+           "train/adv/zero_std_frac", "train/rollout/policy_tokens"]
 SECTIONS = {"Main comparison (6 leaves per prompt)": MAIN,
             "Equal sampling cost (4 units per prompt)": EQUAL_COST,
             "Stage ablations": STAGES}
