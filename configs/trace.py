@@ -13,8 +13,8 @@ instead of the value head).
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy (exact match) on held-out questions. Measured only at the
 notebooks' cpu scale (SmolLM2-135M with the main job's SFT and recipe, 5 RL steps, 2 seeds;
-RESULTS.md, TRACE section): 0.109 after RL against 0.141 after SFT, GRPO 0.188, random
-allocation 0.156; within noise.
+RESULTS.md, TRACE section): 0.109 after RL against 0.141 after SFT, GRPO 0.188 (0.203 at
+TRACE's sampling cost), random allocation 0.156; within noise.
 """
 
 from configs import common
