@@ -70,7 +70,8 @@ class ModelSpec:
   remat: bool = False
   # Tree attention in the update: "dense" builds [L, L] scores per head and layer
   # (fine for tiny models); "blockwise" visits only visible key blocks with an
-  # online softmax, so memory stays O(L) (what a real model on a CPU needs).
+  # online softmax, so memory stays O(L) (what a real model on a CPU needs);
+  # "pallas" is the same as one fused GPU kernel (refused on a CPU: check_backend).
   attention: str = "dense"
   attention_block: int = 64
   tiny_overrides: dict = dataclasses.field(default_factory=dict)
@@ -84,9 +85,19 @@ class ModelSpec:
     if self.lora_rank < 0:
       raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
     _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
-    _choice("model", "attention", self.attention, ("dense", "blockwise"))
+    _choice("model", "attention", self.attention, ("dense", "blockwise", "pallas"))
     # Packed rows are multiples of 256 tokens (train.TOKEN_BUCKETS).
     _choice("model", "attention_block", self.attention_block, [16, 32, 64, 128, 256])
+
+  def check_backend(self, backend: str) -> None:
+    """Fails, naming the field, when the attention cannot run on JAX's `backend`: the
+    Pallas kernel is compiled for GPUs only (on a CPU it would run interpreted, orders
+    of magnitude slower)."""
+    if self.attention == "pallas" and backend != "gpu":
+      raise ValueError(
+          f"config.model.attention='pallas' is a GPU kernel, but JAX's backend is "
+          f"{backend!r}: use config.model.attention='blockwise' (the same visible-pairs "
+          f"attention in plain JAX) or 'dense' on this machine")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax
 from absl import logging
 
 from tree_rl.algos.sft import order_by_system_prompt
@@ -86,8 +85,7 @@ class StopFlag:
       signal.signal(sig, old)
 
 
-def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, fit: Callable,
-                   teacher: AgentLoop, train_tasks: Sequence[Any], buckets: Buckets,
+def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: AgentLoop, train_tasks: Sequence[Any], buckets: Buckets,
                    progress: RunCheckpointer, meta: dict[str, Any], writer: MetricWriter,
                    stop: StopFlag) -> Any:
   """Trains `spec.steps` SFT steps on the oracle's trajectories, from meta["sft_step"].
@@ -96,8 +94,8 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, fit: Calla
     spec: config.sft.
     sft_state: the policy's TrainState with SFT's fresh optimizer state (config.sft.lr),
       placed on the mesh.
-    sft_step: `(state, batch) -> (state, metrics)`, jitted.
-    fit: puts a state on the graph fitted to a batch (the trainer's attention fitter).
+    sft_step: `(state, batch) -> (state, host metrics)`, jitted and fitted to each batch's
+      attention bound (the trainer's `_AttentionFitter.wrap`).
     teacher: the agent loop on the oracle engine.
     train_tasks: the run's training tasks.
     buckets: the packing buckets of one tree.
@@ -131,8 +129,8 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, fit: Calla
     trees = [t for t in teacher.rollout(tasks) if t.leaves]
     batch, bad = pack_sound([RolloutTree.merge_prompts(trees)], buckets)
     check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
-    sft_state, m = sft_step(fit(sft_state, batch), batch)
-    writer.write(i, {k: float(v) for k, v in jax.device_get(m).items()}, phase="sft")
+    sft_state, m = sft_step(sft_state, batch)
+    writer.write(i, {k: float(v) for k, v in m.items()}, phase="sft")
     meta["sft_step"] = i + 1
     if (i + 1) % spec.ckpt_every_steps == 0 or i + 1 == spec.steps or stop.set:
       progress.save(i + 1, sft_state, meta)

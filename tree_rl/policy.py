@@ -50,6 +50,8 @@ def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_de
     attn = AttentionConfig(impl="blockwise", block=spec.attention_block,
                            max_kv_blocks=-(-max_path_tokens // spec.attention_block)
                            + 2 * max_depth)
+  elif spec.attention == "pallas":
+    attn = AttentionConfig(impl="pallas", block=spec.attention_block)
   if spec.name == "tiny":
     config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
                               **dict(spec.tiny_overrides))

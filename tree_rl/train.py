@@ -19,6 +19,7 @@ import json
 import pathlib
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ from tree_rl.device_memory import apply_learner_memory_fraction
 from tree_rl.envs import make_family
 from tree_rl.evaluate import evaluate
 from tree_rl.models import Decoder
+from tree_rl.models.attention import OVERFLOW_METRIC, raise_on_overflow
 from tree_rl.phases import StopFlag, Stopped, sft_warm_start
 from tree_rl.placement import Placement
 from tree_rl.policy import build_run_policy, make_optimizer
@@ -191,7 +193,7 @@ def _buckets(trees: int) -> Buckets:
 class _AttentionFitter:
   """Puts a TrainState on the graph fitted to its batch's exact blockwise bound
   (`tree_rl.models.attention.AttentionFitter`: one graph, so one compile, per bound).
-  A dense-attention model is left as it is."""
+  A dense or Pallas model is left as it is."""
 
   def __init__(self, model: Decoder):
     from tree_rl.models.attention import AttentionFitter  # noqa: PLC0415
@@ -202,6 +204,21 @@ class _AttentionFitter:
     if self.fit.base.impl != "blockwise":
       return state
     return state.replace(graphdef=self.fit.graphdef(batch))
+
+  def wrap(self, step: Callable) -> Callable:
+    """`step(state, batch, *args) -> (state, metrics)` run on the fitted graph, its
+    metrics read back to the host, where the attention backstop the step returned
+    (`OVERFLOW_METRIC`, popped from the metrics) raises if the bound was too small."""
+
+    def run(state, batch, *args):
+      state, metrics = step(self(state, batch), batch, *args)
+      metrics = jax.device_get(metrics)
+      pairs = int(metrics.pop(OVERFLOW_METRIC))
+      if pairs:
+        raise_on_overflow(pairs, batch.tokens.shape, self.fit.config(batch))
+      return state, metrics
+
+    return run
 
 
 def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
@@ -219,6 +236,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   distributed.initialize(cfg.distributed)  # several processes: joined before any device use
   distributed.check_supported(cfg.rollout.engine, cfg.rollout.strategy, cfg.rollout.backend,
                               cfg.rollout.max_staleness)
+  cfg.model.check_backend(jax.default_backend())  # e.g. the Pallas kernel on a CPU
   primary = distributed.is_primary()  # process 0 writes the files; all compute the same
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
@@ -314,8 +332,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   logging.info("%s", placement.geometry(cfg.prompts_per_step, buckets.trees[0]))
 
   # ============================== Update step ==============================
-  update_step = placement.update_step(ppo_config, optimizer)  # in/out shardings on the mesh
   fit = _AttentionFitter(model)  # each batch's tightest blockwise bound
+  update_step = fit.wrap(placement.update_step(ppo_config, optimizer))  # shardings on the mesh
   # APPO as its paper reads: each PPO mini-batch's prompts are branched with the
   # policy after the previous mini-batch's update, then that mini-batch is trained
   # (one update per call); see _appo_minibatch_step.
@@ -406,7 +424,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       sft_opt = make_optimizer(cfg.sft.lr, cfg)
       sft_state = timed("sft", sft_warm_start,
           cfg.sft, placement.place_state(state.replace(opt_state=sft_opt.init(state.params))),
-          placement.sft_step(sft_opt, LOGPROB_CHUNK), fit, teacher, train_tasks,
+          fit.wrap(placement.sft_step(sft_opt, LOGPROB_CHUNK)), teacher, train_tasks,
           _buckets(placement.trees_bucket(1)), sft_progress, meta, writer, stop)
       state = placement.place_state(sft_state.replace(opt_state=optimizer.init(sft_state.params)))
       sync_weights(state)
@@ -466,7 +484,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         if per_minibatch:
           state, trees, bad, m, trained = _appo_minibatch_step(
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
-              lambda st, batch, key: minibatch_step(fit(st, batch), batch, key),
+              fit.wrap(minibatch_step),
               lambda trees: timed("pack", pack_sound, trees, minibatch_buckets, unscored, vocab),
               sync_weights, update_key, timer, lambda: engine.published)
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
@@ -484,8 +502,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
             row["trace/effective_ratio"] = float(effective_ratio(batch))
           if batch is not None:
             with timer("update"):
-              state, m = update_step(fit(state, batch), batch, update_key)
-              m = jax.device_get(m)
+              state, m = update_step(state, batch, update_key)
         meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
         row.update(staleness(trained))
         row["rollout/bad_trees"] = float(len(bad))

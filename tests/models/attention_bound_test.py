@@ -18,12 +18,12 @@ from flax import nnx
 
 from tree_rl.models import Decoder, ModelConfig
 from tree_rl.models.attention import (KV_LADDER, AttentionConfig, AttentionFitter, TreeMask,
-                                      fit_attention, kv_block_pairs, max_visible_blocks)
+                                      attention_overflow, fit_attention, kv_block_pairs,
+                                      max_visible_blocks, raise_on_overflow)
 from tree_rl.models.logprobs import sequence_logprobs, tree_logprobs
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, derived, pack
 
 BLOCK = 4
-RAISES = (ValueError, jax.errors.JaxRuntimeError)  # eager call / jitted call
 
 
 def _fork_batch(prompt: int = 8, branches: int = 4):
@@ -86,23 +86,32 @@ def test_fitter_caches_one_graph_per_bound_and_matches_dense():
 def test_a_too_small_bound_raises_with_the_shapes_and_bounds():
   batch = _fork_batch()
   small = _model(bound=2)
-  msg = (r"packed batch \[B=1, L=24\] row 0 has 15 visible .* pairs with block 4, "
+  msg = (r"packed batch \[B=1, L=24\] has a row with 15 visible .* pairs with block 4, "
          r"which needs max_kv_blocks >= 3, but the model's bound is 2")
-  with pytest.raises(RAISES, match=msg):
+  with pytest.raises(ValueError, match=msg):  # an eager call raises at once
     np.asarray(tree_logprobs(small, batch)[0])
+  # Under jit (and grad: the update step's path) the output is NaN, never a partial
+  # softmax, and the device-side count the step returns raises on the host.
   graphdef, state = nnx.split(small)
-  jitted = jax.jit(lambda s, b: tree_logprobs(nnx.merge(graphdef, s), b)[0])
-  with pytest.raises(RAISES, match=msg):
-    np.asarray(jitted(state, batch))
-  # Under grad too (the update step's path).
-  loss = jax.jit(jax.grad(lambda s, b: tree_logprobs(nnx.merge(graphdef, s), b)[0].sum()))
-  with pytest.raises(RAISES, match=msg):
-    jax.block_until_ready(loss(state, batch))
-  # A direct forward (no log-prob wrapper to raise) is NaN, never a partial softmax.
   tree = TreeMask(batch.node_of_token, derived.structure(batch).ancestor)
+
+  @jax.jit
+  def step(s, b):
+    model = nnx.merge(graphdef, s)
+    loss, grads = jax.value_and_grad(
+        lambda s: tree_logprobs(nnx.merge(graphdef, s), b)[0].sum())(s)
+    return loss, grads, attention_overflow(tree, model.attention_config)
+
+  loss, grads, pairs = step(state, batch)
+  assert np.isnan(loss) and all(np.isnan(np.asarray(g)).any() for g in jax.tree.leaves(grads))
+  assert int(pairs) == 15
+  with pytest.raises(ValueError, match=msg):
+    raise_on_overflow(pairs, batch.tokens.shape, small.attention_config)
+  # A direct forward (no log-prob wrapper to raise) is NaN too.
   assert np.isnan(np.asarray(small.hidden(batch.tokens, batch.positions, tree))).all()
-  # One rung up is exact.
+  # One rung up is exact, and its count is 0.
   exact = nnx.merge(AttentionFitter(small).graphdef(batch), state)
+  assert int(jax.jit(attention_overflow, static_argnums=1)(tree, exact.attention_config)) == 0
   np.testing.assert_allclose(np.asarray(tree_logprobs(exact, batch)[0]),
                              np.asarray(tree_logprobs(_model(0, "dense"), batch)[0]), atol=1e-5)
 
@@ -110,24 +119,31 @@ def test_a_too_small_bound_raises_with_the_shapes_and_bounds():
 def test_causal_sequences_are_checked_too():
   tokens = jnp.arange(3, 27, dtype=jnp.int32)[None]  # 24 causal tokens: 21 pairs, bound 4
   valid = jnp.ones_like(tokens, bool)
-  with pytest.raises(RAISES, match=r"needs max_kv_blocks >= 4, but the model's bound is 3"):
+  with pytest.raises(ValueError, match=r"needs max_kv_blocks >= 4, but the model's bound is 3"):
     np.asarray(sequence_logprobs(_model(bound=3), tokens, valid)[0])
   np.testing.assert_allclose(np.asarray(sequence_logprobs(_model(bound=4), tokens, valid)[0]),
                              np.asarray(sequence_logprobs(_model(0, "dense"), tokens, valid)[0]),
                              atol=1e-5)
 
 
-def test_a_bound_of_every_block_is_never_checked():
-  # max_kv_blocks >= nb (6 here) holds every pair: no host callback is traced at all.
+def test_no_host_callback_is_traced():
+  """The backstop is a device-side count: nothing in a jitted forward calls the host (a
+  host callback cannot be lowered for another platform), and a bound of every block
+  (max_kv_blocks >= nb, 6 here) holds every pair, so its count is not even computed."""
   batch = _fork_batch()
+  tree = TreeMask(batch.node_of_token, derived.structure(batch).ancestor)
 
   def traced(bound):
-    graphdef, state = nnx.split(_model(bound))
-    return str(jax.make_jaxpr(lambda s, b: tree_logprobs(nnx.merge(graphdef, s), b)[0])(
-        state, batch))
+    model = _model(bound)
+    graphdef, state = nnx.split(model)
+    fwd = jax.make_jaxpr(lambda s, b: tree_logprobs(nnx.merge(graphdef, s), b)[0])(state, batch)
+    count = jax.make_jaxpr(lambda t: attention_overflow(t, model.attention_config))(tree)
+    return str(fwd), str(count)
 
-  assert "debug_callback[" not in traced(6)
-  assert traced(5).count("debug_callback[") == 1  # once per call, not once per layer
+  for bound in (5, 6):
+    fwd, count = traced(bound)
+    assert "callback" not in fwd and "callback" not in count
+  assert "reduce_sum" not in traced(6)[1] and "reduce_sum" in traced(5)[1]
 
 
 def test_the_bound_from_subtree_ranges_equals_the_bound_from_parents():

@@ -29,6 +29,7 @@ from tree_rl.algos import registry
 from tree_rl.algos.losses import LossConfig, policy_loss
 from tree_rl.algos.registry import Advantages
 from tree_rl.models.decoder import Decoder, LoRAParam
+from tree_rl.models.attention import OVERFLOW_METRIC, TreeMask, attention_overflow
 from tree_rl.models.logprobs import tree_logprobs
 from tree_rl.tree import derived
 from tree_rl.tree.batch import TreeBatch
@@ -151,11 +152,16 @@ def make_update_step(config: PPOConfig, optimizer: optax.GradientTransformation)
       return state.replace(params=params, opt_state=opt_state), metrics
 
     new, metrics = lax.scan(one, state, perms)
+    # Blockwise attention's backstop, read by the host after the step (raise_on_overflow).
+    st = derived.structure(batch)
+    overflow = attention_overflow(TreeMask(batch.node_of_token, st.ancestor),
+                                  state.model(state.params).attention_config)
     # A step with a non-finite loss or gradient norm in any mini-batch is skipped whole: the
     # pre-step state is kept (`skipped` = 1; the trainer counts and bounds them).
     finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["l2_grads"]))
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["skipped"] = (~finite).astype(jnp.float32)
+    metrics[OVERFLOW_METRIC] = overflow
     keep = lambda n, o: jnp.where(finite, n, o)
     state = state.replace(params=jax.tree.map(keep, new.params, state.params),
                           opt_state=jax.tree.map(keep, new.opt_state, state.opt_state))

@@ -12,7 +12,9 @@ import jax.numpy as jnp
 import optax
 
 from tree_rl.algos.ppo import TrainState
+from tree_rl.models.attention import OVERFLOW_METRIC, TreeMask, attention_overflow
 from tree_rl.models.logprobs import tree_logprobs
+from tree_rl.tree import derived
 from tree_rl.tree.batch import TreeBatch
 
 
@@ -31,6 +33,9 @@ def make_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 
     params = optax.apply_updates(state.params, updates)
     metrics = {"sft/loss": loss, "sft/l2_grads": optax.global_norm(grads),
                "sft/tokens": mask.sum()}
+    # Blockwise attention's backstop, read by the host after the step (raise_on_overflow).
+    tree = TreeMask(batch.node_of_token, derived.structure(batch).ancestor)
+    metrics[OVERFLOW_METRIC] = attention_overflow(tree, state.model(params).attention_config)
     return state.replace(params=params, opt_state=opt_state), metrics
 
   return sft_step

@@ -2,7 +2,7 @@
 node(i) and j <= i (the packed layout of `tree_rl.tree.batch`), so one forward
 pass over a packed tree gives every root-to-leaf sequence its own causal context.
 
-Two implementations with identical results:
+Three implementations with identical results:
 
 * `dense`: the `[L, L]` mask. Simple and fastest for short trees, but its cost
   grows with L^2 including every cross-branch pair that is masked out.
@@ -12,14 +12,18 @@ Two implementations with identical results:
   slots, a static bound computed on the host by `max_visible_blocks`), with an
   online softmax (flash-attention style) and a rematerialised step, so compute
   and memory follow the visible pairs (about L x path length) instead of L^2.
+* `pallas`: the same visible-pairs-only online softmax as one fused kernel per
+  pass, forward and backward (`tree_rl.models.pallas_attention`), for GPUs. It
+  needs no static bound: each query block loops over its own visible key blocks.
+  On a CPU it runs only in Pallas' interpret mode (tests).
 
-The static bound must hold every visible pair of the batch, or pairs would be
-dropped. So every caller fits it to each batch on the host (`fit_attention`;
+Blockwise's static bound must hold every visible pair of the batch, or pairs would
+be dropped. So every caller fits it to each batch on the host (`fit_attention`;
 `AttentionFitter` keeps one model graph, hence one compile, per bound), and a
-bound that is still too small is never silently wrong: `check_attention_bound`
-(run once per forward by `tree_rl.models.logprobs`) raises naming the batch
-shape and the needed and given bounds, and `blockwise_attention` itself returns
-NaN for such a batch.
+bound that is still too small is never silently wrong: `blockwise_attention`
+returns NaN for such a batch, and the jitted steps return `attention_overflow`, a
+device-side count the host reads after the step (`raise_on_overflow` raises
+naming the batch shape and the needed and given bounds).
 
 A plain causal batch is the special case of one node per row
 (`TreeMask.causal`).
@@ -37,9 +41,10 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from tree_rl.models.pallas_attention import pallas_tree_attention
 from tree_rl.tree.types import Array, Bool, Float, Int
 
-ATTENTION_IMPLS = ("dense", "blockwise")
+ATTENTION_IMPLS = ("dense", "blockwise", "pallas")
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 
@@ -62,6 +67,13 @@ class TreeMask:
     rows = jnp.take_along_axis(self.ancestor, node[:, :, None], axis=1)
     return rows & (self.node_of_token >= 0)[:, :, None]
 
+  def subtree_end(self) -> Int[Array, "B N"]:
+    """[b, m]: one past m's last descendant. In the depth-first packed layout m's
+    subtree is the node range [m, subtree_end[m]), so its size is the number of nodes
+    m is an ancestor-or-self of (padding nodes: an empty range)."""
+    n = self.ancestor.shape[1]
+    return (jnp.arange(n) + self.ancestor.sum(1)).astype(jnp.int32)
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
@@ -71,6 +83,9 @@ class AttentionConfig:
   # query block, i.e. nb * max_kv_blocks pair slots per row (see max_visible_blocks);
   # callers refit it to each batch (fit_attention, AttentionFitter).
   max_kv_blocks: int = 0
+  # pallas only: run the kernel in Pallas' interpret mode; None: iff JAX's default
+  # backend is the CPU (tests). Lowering for a GPU from a CPU host (jax.export) sets False.
+  interpret: bool | None = None
 
   def __post_init__(self):
     if self.impl not in ATTENTION_IMPLS:
@@ -235,40 +250,50 @@ class AttentionFitter:
     return self.graphs[attn]
 
 
-def check_attention_bound(tree: TreeMask, config: AttentionConfig) -> None:
-  """Backstop inside jit: raise if a blockwise bound is too small for this batch.
+OVERFLOW_METRIC = "attention/overflow_pairs"
 
-  With max_kv_blocks >= nb the bound holds every pair, and nothing is traced. Else,
-  once per call (callers put it outside the layer scan, not once per layer), a
-  `lax.cond` on "some row has more visible pairs than its nb * max_kv_blocks slots"
-  runs a host callback only then, which raises a ValueError naming the batch shape,
-  the row, and the needed and given bounds; under jit it reaches the caller as a
-  `jax.errors.JaxRuntimeError` carrying that message. (The callback checks again
-  itself, so a `vmap` that turns the cond into a select stays exact.)
+
+def attention_overflow(tree: TreeMask, config: AttentionConfig) -> Int[Array, ""]:
+  """Device-side backstop: the most visible (query block, key block) pairs of any row
+  when that is more than a blockwise bound's nb * max_kv_blocks slots hold, else 0.
+
+  A jitted step returns it (as `OVERFLOW_METRIC`) and the host passes it to
+  `raise_on_overflow` after the step, so no host callback sits in the program (one
+  cannot be lowered for another platform, e.g. by `jax.export` for CUDA from a CPU).
+  Constant 0, with nothing traced, unless the attention is blockwise with a bound
+  below nb (a bound of nb or more holds every pair).
   """
-  if config.impl != "blockwise":
-    return
-  (b, length), block = tree.node_of_token.shape, config.block
+  (_, length), block = tree.node_of_token.shape, config.block
   nb = length // block
   given = min(config.max_kv_blocks, nb)
-  if given >= nb:
+  if config.impl != "blockwise" or given >= nb:
+    return jnp.zeros((), jnp.int32)
+  most = _visible_blocks(tree, block).sum((1, 2)).max().astype(jnp.int32)
+  return jnp.where(most > nb * given, most, 0)
+
+
+def raise_on_overflow(pairs, shape: tuple[int, int], config: AttentionConfig) -> None:
+  """Host side of `attention_overflow`: raises naming the batch shape, the pairs and the
+  needed and given bounds when `pairs` (read back after a step) is non-zero."""
+  pairs = int(np.asarray(pairs))
+  if not pairs:
     return
-  pairs = _visible_blocks(tree, block).sum((1, 2))  # [B] visible pairs per row
+  (b, length), block = shape, config.block
+  nb = length // block
+  raise ValueError(
+      f"blockwise attention: packed batch [B={b}, L={length}] has a row with {pairs} visible "
+      f"(query block, key block) pairs with block {block}, which needs max_kv_blocks >= "
+      f"{-(-pairs // nb)}, but the model's bound is {min(config.max_kv_blocks, nb)}; fit the "
+      f"bound to each batch (tree_rl.models.attention.fit_attention / AttentionFitter)")
 
-  def check(pairs):
-    pairs = np.asarray(pairs)
-    row = int(pairs.argmax())
-    need = -(-int(pairs[row]) // nb)
-    if need > given:
-      raise ValueError(
-          f"blockwise attention: packed batch [B={b}, L={length}] row {row} has "
-          f"{int(pairs[row])} visible (query block, key block) pairs with block {block}, "
-          f"which needs max_kv_blocks >= {need}, but the model's bound is {given}; fit "
-          f"the bound to each batch (tree_rl.models.attention.fit_attention / "
-          f"AttentionFitter)")
 
-  lax.cond(pairs.max() > nb * given, lambda p: jax.debug.callback(check, p), lambda p: None,
-           pairs)
+def check_attention_bound(tree: TreeMask, config: AttentionConfig) -> None:
+  """`raise_on_overflow(attention_overflow(...))` when called eagerly (outside jit);
+  under a trace it adds nothing: a jitted step returns `attention_overflow` instead
+  (blockwise attention's output is NaN for such a batch either way)."""
+  pairs = attention_overflow(tree, config)
+  if not isinstance(pairs, jax.core.Tracer):
+    raise_on_overflow(pairs, tree.node_of_token.shape, config)
 
 
 def blockwise_attention(
@@ -283,7 +308,7 @@ def blockwise_attention(
   may own several pairs of a step). Cost O(visible pairs * block^2), bounded by
   O(L * max_kv_blocks * block); each scan step is rematerialised in the backward
   pass, so memory is O(L) per layer. A batch with more visible pairs than slots
-  gets NaN everywhere (never a silently partial softmax); `check_attention_bound`
+  gets NaN everywhere (never a silently partial softmax); `attention_overflow`
   is the loud form of the same test.
   """
   b, l, h, d = q.shape
@@ -342,6 +367,11 @@ def blockwise_attention(
 def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
   if config.impl == "dense":
     return dense_attention(q, k, v, tree)
+  if config.impl == "pallas":
+    interpret = (jax.default_backend() == "cpu" if config.interpret is None
+                 else config.interpret)
+    return pallas_tree_attention(q, k, v, tree.node_of_token, tree.subtree_end(), config.block,
+                                 interpret=interpret)
   return blockwise_attention(q, k, v, tree, config.block, config.max_kv_blocks)
 
 

@@ -5,8 +5,10 @@ sequence (`derived.prev_token_index`): inside a node that is t - 1, at a
 node's first token it is the parent's last token. The vocabulary projection
 runs in chunks of packed tokens under `jax.checkpoint`, so the `[B, L, V]`
 logits are never materialised (V = 49k-152k makes them the largest tensor of
-the step). With blockwise attention, each call first checks the model's static
-key-block bound against the batch (`check_attention_bound`: raises if too small).
+the step). With blockwise attention, an eager call checks the model's static
+key-block bound against the batch (`check_attention_bound`: raises if too small);
+under jit the steps return the same test as a device-side count
+(`tree_rl.models.attention.attention_overflow`) that the host reads after the step.
 """
 
 from __future__ import annotations

@@ -77,6 +77,23 @@ def behaviour_scorer(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
   return out
 
 
+@functools.partial(jax.jit, static_argnums=0)  # one compile per (fitted graph, bucket)
+def score_program(graphdef: Any, state: Any, batch: TreeBatch):
+  """The scorer's program: ((log-probs, entropies) `[B, L]` of every packed token, the
+  attention backstop `attention_overflow` for the host to read)."""
+  from flax import nnx  # rollout code imports model code lazily
+
+  from tree_rl.models.attention import TreeMask, attention_overflow
+  from tree_rl.models.logprobs import tree_logprobs
+  from tree_rl.tree import derived
+
+  model = nnx.merge(graphdef, state)
+  st = derived.structure(batch)
+  overflow = attention_overflow(TreeMask(batch.node_of_token, st.ancestor),
+                                model.attention_config)
+  return tree_logprobs(model, batch, st), overflow
+
+
 def model_scorer(model: Any, buckets: Buckets | None = None,
                  place_batch: Callable[[TreeBatch], TreeBatch] | None = None) -> PolicyScorer:
   """`current_logprobs` from a Decoder: log-probs and entropies on the packed trees.
@@ -95,20 +112,17 @@ def model_scorer(model: Any, buckets: Buckets | None = None,
   """
   from flax import nnx  # rollout code imports model code lazily
 
-  from tree_rl.models.attention import AttentionFitter
-  from tree_rl.models.logprobs import tree_logprobs
+  from tree_rl.models.attention import AttentionFitter, raise_on_overflow
 
   fit = AttentionFitter(model)
-
-  @functools.partial(jax.jit, static_argnums=0)  # one compile per (fitted graph, bucket)
-  def scored(graphdef, state, batch):
-    return tree_logprobs(nnx.merge(graphdef, state), batch)
 
   def score(trees: Sequence[RolloutTree]) -> list[NodeArrays]:
     batch = pack(list(trees), buckets or Buckets())
     if place_batch is not None:
       batch = place_batch(batch)
-    lp, ent = scored(fit.graphdef(batch), nnx.state(model), batch)
+    (lp, ent), overflow = score_program(fit.graphdef(batch), nnx.state(model), batch)
+    if int(overflow):
+      raise_on_overflow(overflow, batch.tokens.shape, fit.config(batch))
     lp, ent = np.asarray(lp, np.float64), np.asarray(ent, np.float64)
     out = []
     for b, tree in enumerate(trees):
