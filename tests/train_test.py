@@ -276,6 +276,9 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: (c.rollout.update(strategy="appo", max_staleness=1),
                 c.algo.update(num_minibatches=2)), "needs the current policy"),
     (lambda c: c.rollout.update(max_staleness=-1), "max_staleness=-1 must be an int"),
+    (lambda c: c.model.update(attention="pallas"),
+     r"config.model.attention='pallas' is a GPU and TPU kernel, but JAX's backend is 'cpu': "
+     r"use config.model.attention='blockwise'"),
 ])
 def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
   c = _config("grpo")

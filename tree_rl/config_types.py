@@ -91,13 +91,20 @@ class ModelSpec:
 
   def check_backend(self, backend: str) -> None:
     """Fails, naming the field, when the attention cannot run on JAX's `backend`: the
-    Pallas kernel is compiled for GPUs only (on a CPU it would run interpreted, orders
-    of magnitude slower)."""
-    if self.attention == "pallas" and backend != "gpu":
+    Pallas kernels are compiled for GPUs and TPUs only (on a CPU they would run
+    interpreted, orders of magnitude slower), and a TPU kernel's key blocks are rows
+    of 128 lanes."""
+    if self.attention != "pallas":
+      return
+    if backend not in ("gpu", "tpu"):
       raise ValueError(
-          f"config.model.attention='pallas' is a GPU kernel, but JAX's backend is "
+          f"config.model.attention='pallas' is a GPU and TPU kernel, but JAX's backend is "
           f"{backend!r}: use config.model.attention='blockwise' (the same visible-pairs "
           f"attention in plain JAX) or 'dense' on this machine")
+    if backend == "tpu" and self.attention_block < 128:
+      raise ValueError(
+          f"config.model.attention_block={self.attention_block}: the TPU kernels of "
+          f"attention='pallas' take blocks of 128 or 256 tokens")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+import jax
 import optax
 from flax import nnx
 
@@ -46,12 +47,12 @@ def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_de
     folder = gguf_import.default_model_dir()
   tokenizer = AutoTokenizer.from_pretrained(str(folder))
   attn = AttentionConfig()
+  path_bound = -(-max_path_tokens // spec.attention_block) + 2 * max_depth
   if spec.attention == "blockwise":
-    attn = AttentionConfig(impl="blockwise", block=spec.attention_block,
-                           max_kv_blocks=-(-max_path_tokens // spec.attention_block)
-                           + 2 * max_depth)
-  elif spec.attention == "pallas":
-    attn = AttentionConfig(impl="pallas", block=spec.attention_block)
+    attn = AttentionConfig(impl="blockwise", block=spec.attention_block, max_kv_blocks=path_bound)
+  elif spec.attention == "pallas":  # a bound only for the TPU kernels' static grid
+    attn = AttentionConfig(impl="pallas", block=spec.attention_block,
+                           max_kv_blocks=path_bound if jax.default_backend() == "tpu" else 0)
   if spec.name == "tiny":
     config = ModelConfig.tiny(vocab_size=len(tokenizer), dtype=spec.dtype,
                               **dict(spec.tiny_overrides))

@@ -193,7 +193,7 @@ def _buckets(trees: int) -> Buckets:
 class _AttentionFitter:
   """Puts a TrainState on the graph fitted to its batch's exact blockwise bound
   (`tree_rl.models.attention.AttentionFitter`: one graph, so one compile, per bound).
-  A dense or Pallas model is left as it is."""
+  An unbounded model (dense, Pallas on a GPU) is left as it is."""
 
   def __init__(self, model: Decoder):
     from tree_rl.models.attention import AttentionFitter  # noqa: PLC0415
@@ -201,7 +201,7 @@ class _AttentionFitter:
     self.fit = AttentionFitter(model)
 
   def __call__(self, state: ppo.TrainState, batch) -> ppo.TrainState:
-    if self.fit.base.impl != "blockwise":
+    if not self.fit.base.bounded:
       return state
     return state.replace(graphdef=self.fit.graphdef(batch))
 

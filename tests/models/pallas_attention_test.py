@@ -1,9 +1,11 @@
-"""The fused Pallas tree-attention kernel equals dense attention, values and gradients.
+"""The fused Pallas tree-attention kernels equal dense attention, values and gradients.
 
-The kernels run in Pallas' interpret mode here (a CPU); `export_test.py` lowers the
-same kernels for CUDA. Every case compares the output and dq, dk, dv of a weighted
-sum of the output against `dense_attention` on the same tree, in f32 (tight) and bf16
-(inputs and products in bf16, accumulation in f32: loose).
+Both kernel sets run in Pallas' interpret mode here (a CPU): the GPU (Triton) kernels
+on blocks of 16, the TPU (Mosaic) kernels on their blocks of 128, with trees scaled so
+that nodes straddle those blocks; `tests/lowering_test.py` lowers the same kernels for
+CUDA and TPU. Every case compares the output and dq, dk, dv of a weighted sum of the
+output against `dense_attention` on the same tree, in f32 (tight) and bf16 (inputs and
+products in bf16, accumulation in f32: loose).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests import strategies as S
+from tree_rl.config_types import ModelSpec
 from tree_rl.models.attention import (AttentionConfig, TreeMask, _visible_blocks, attention,
-                                      dense_attention)
+                                      dense_attention, fit_attention, max_visible_blocks)
 from tree_rl.models.pallas_attention import block_lists, pallas_tree_attention, token_vectors
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, derived, pack
 
@@ -30,7 +33,8 @@ SETTINGS = settings(deadline=None, derandomize=True, database=None)
 
 
 def _buckets(tokens: int) -> Buckets:
-  return Buckets(tokens=(tokens,), nodes=(64,), leaves=(16,), path_tokens=(tokens,), trees=None)
+  return Buckets(tokens=(tokens,), nodes=(64 if tokens <= 128 else 256,), leaves=(64,),
+                 path_tokens=(tokens,), trees=None)
 
 
 def _chain_tree(lengths, branches=()):
@@ -50,8 +54,12 @@ def _chain_tree(lengths, branches=()):
   return tree
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _both(node_of_token, ancestor, subtree_end, key, dtype):
+# backend -> (block, packed tokens per row, scale of the edge cases' node lengths)
+BACKENDS = {"gpu": (16, 128, 1), "tpu": (128, 1024, 8)}
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "backend", "max_kv_blocks"))
+def _both(node_of_token, ancestor, subtree_end, key, dtype, backend="gpu", max_kv_blocks=0):
   """Outputs and (dq, dk, dv) of sum(out * w), dense vs the kernel (interpret mode)."""
   b, l = node_of_token.shape
   kq, kk, kv, kw = jax.random.split(key, 4)
@@ -65,7 +73,8 @@ def _both(node_of_token, ancestor, subtree_end, key, dtype):
     return dense_attention(q, k, v, tree)
 
   def fused(q, k, v):
-    return pallas_tree_attention(q, k, v, node_of_token, subtree_end, BLOCK, interpret=True)
+    return pallas_tree_attention(q, k, v, node_of_token, subtree_end, BACKENDS[backend][0],
+                                 interpret=True, backend=backend, max_kv_blocks=max_kv_blocks)
 
   def grads(fn):
     return jax.grad(lambda *a: (fn(*a).astype(jnp.float32) * w).sum(), (0, 1, 2))(q, k, v)
@@ -73,10 +82,10 @@ def _both(node_of_token, ancestor, subtree_end, key, dtype):
   return (dense(q, k, v), grads(dense)), (fused(q, k, v), grads(fused))
 
 
-def _check(batch, dtype=jnp.float32, seed=0):
+def _check(batch, dtype=jnp.float32, seed=0, backend="gpu", max_kv_blocks=0):
   st_ = derived.structure(batch)
   (out_d, g_d), (out_p, g_p) = _both(batch.node_of_token, st_.ancestor, batch.subtree_end,
-                                     jax.random.key(seed), dtype)
+                                     jax.random.key(seed), dtype, backend, max_kv_blocks)
   tol = TOL[dtype]
   f32 = lambda x: np.asarray(x, np.float32)
   np.testing.assert_allclose(f32(out_p), f32(out_d), **tol)
@@ -92,27 +101,50 @@ def _check(batch, dtype=jnp.float32, seed=0):
 @SETTINGS
 @given(trees=st.lists(S.general_tree(max_nodes=30), min_size=1, max_size=2))
 def test_kernel_equals_dense_on_random_trees(trees, dtype):
+  """The GPU kernels on random trees (blocks of 16 hold several nodes each)."""
   _check(pack(trees, _buckets(128)), dtype)
 
 
+def _edge_case(case: str, scale: int):
+  """The edge cases' trees, node lengths times `scale` (8 for the TPU's 128-token blocks)."""
+  x = lambda *lengths: [n * scale for n in lengths]
+  return {
+      # Every node one token: many nodes per block, the mask does all the work.
+      "single_token_nodes": [_chain_tree([1] * 20 * min(scale, 7),
+                                         branches=[1] * 10 * min(scale, 5))],
+      # A tree that is just its prompt: plain causal attention over one node.
+      "one_node": [_chain_tree(x(37))],
+      # A short tree in a long row: most query and key blocks are padding.
+      "padding": [_chain_tree(x(3, 2))],
+      "several_trees": [_chain_tree(x(5, 9, 4), x(6, 3)), _chain_tree(x(17, 2)),
+                        _chain_tree(x(2), x(30, 1, 12))],
+      # Nodes that cross block edges (16 x scale): a 23-token root, branches of 19 and 26
+      # tokens, so a branch's block also holds its sibling's tokens, which it must not see.
+      "straddling": [_chain_tree(x(23, 19, 9), x(26, 13))],
+  }[case]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("case", ["single_token_nodes", "one_node", "padding", "several_trees",
                                   "straddling"])
-def test_kernel_equals_dense_on_edge_cases(case, dtype):
-  trees = {
-      # Every node one token: many nodes per block, the mask does all the work.
-      "single_token_nodes": [_chain_tree([1] * 20, branches=[1] * 10)],
-      # A tree that is just its prompt: plain causal attention over one node.
-      "one_node": [_chain_tree([37])],
-      # A short tree in a long row: most query and key blocks are padding.
-      "padding": [_chain_tree([3, 2])],
-      "several_trees": [_chain_tree([5, 9, 4], [6, 3]), _chain_tree([17, 2]),
-                        _chain_tree([2], [30, 1, 12])],
-      # Nodes that cross block edges (16): a 23-token root, branches of 19 and 26 tokens,
-      # so a branch's block also holds its sibling's tokens, which it must not see.
-      "straddling": [_chain_tree([23, 19, 9], [26, 13])],
-  }[case]
-  _check(pack(trees, _buckets(128)), dtype, seed=len(case))
+def test_kernel_equals_dense_on_edge_cases(case, dtype, backend):
+  _, tokens, scale = BACKENDS[backend]
+  _check(pack(_edge_case(case, scale), _buckets(tokens)), dtype, seed=len(case),
+         backend=backend)
+
+
+def test_tpu_kernels_with_a_fitted_bound_and_one_too_small():
+  """The TPU kernels' static pair slots: a bound fitted to the batch is exact; one too
+  small for it poisons the output with NaN, never a partial softmax."""
+  batch = pack(_edge_case("straddling", 8), _buckets(1024))
+  need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 128)
+  assert 1 < need < 8  # the tree skips some of the 8 blocks' causal pairs
+  _check(batch, backend="tpu", max_kv_blocks=need)
+  st_ = derived.structure(batch)
+  _, (out, _) = _both(batch.node_of_token, st_.ancestor, batch.subtree_end,
+                      jax.random.key(0), jnp.float32, "tpu", 1)  # 8 + 8 slots < 8 + 9 pairs
+  assert np.isnan(np.asarray(out)).all()
 
 
 def test_block_lists_are_the_visible_block_pairs():
@@ -160,3 +192,26 @@ def test_bad_shapes_fail_naming_them():
     pallas_tree_attention(q, q, q, nodes, ends, 32, interpret=True)
   with pytest.raises(ValueError, match="block=24 must be a power of two >= 16"):
     pallas_tree_attention(q, q, q, nodes, ends, 24, interpret=True)
+
+
+def test_pallas_is_refused_where_its_kernels_cannot_run():
+  spec = ModelSpec(attention="pallas")
+  spec.check_backend("gpu")
+  with pytest.raises(ValueError, match=r"attention='pallas' is a GPU and TPU kernel, but "
+                     r"JAX's backend is 'cpu': use config.model.attention='blockwise'"):
+    spec.check_backend("cpu")
+  with pytest.raises(ValueError, match=r"config.model.attention_block=64: the TPU kernels"):
+    spec.check_backend("tpu")
+  ModelSpec(attention="pallas", attention_block=128).check_backend("tpu")
+  ModelSpec(attention="blockwise").check_backend("cpu")
+
+
+def test_only_a_bounded_pallas_config_is_fitted():
+  """GPUs need no bound (nothing to refit, nothing to recompile); the TPU kernels' bound
+  (max_kv_blocks > 0) is fitted per batch like blockwise's."""
+  batch = pack(_edge_case("straddling", 8), _buckets(1024))
+  host = np.asarray(batch.node_of_token), np.asarray(batch.parent)
+  gpu = AttentionConfig("pallas", block=128)
+  assert not gpu.bounded and fit_attention(gpu, *host) == gpu
+  tpu = fit_attention(AttentionConfig("pallas", block=128, max_kv_blocks=8), *host)
+  assert tpu.bounded and tpu.max_kv_blocks == max_visible_blocks(*host, 128)

@@ -83,8 +83,10 @@ class AttentionConfig:
   # query block, i.e. nb * max_kv_blocks pair slots per row (see max_visible_blocks);
   # callers refit it to each batch (fit_attention, AttentionFitter).
   max_kv_blocks: int = 0
-  # pallas only: run the kernel in Pallas' interpret mode; None: iff JAX's default
-  # backend is the CPU (tests). Lowering for a GPU from a CPU host (jax.export) sets False.
+  # pallas: max_kv_blocks > 0 bounds the TPU kernels' pair slots (fitted per batch like
+  # blockwise's); 0 (GPUs, whose kernels loop over each block's own pairs) is every pair.
+  # interpret: run the kernels in Pallas' interpret mode; None: iff JAX's default backend
+  # is the CPU (tests). Lowering for a GPU or TPU from a CPU host (jax.export) sets False.
   interpret: bool | None = None
 
   def __post_init__(self):
@@ -92,6 +94,11 @@ class AttentionConfig:
       raise ValueError(f"attention impl={self.impl!r}; choose one of {ATTENTION_IMPLS}")
     if self.impl == "blockwise" and self.max_kv_blocks < 1:
       raise ValueError("blockwise attention needs max_kv_blocks >= 1 (see max_visible_blocks)")
+
+  @property
+  def bounded(self) -> bool:
+    """Whether a static key-block bound is fitted to each batch (`fit_attention`)."""
+    return self.impl == "blockwise" or (self.impl == "pallas" and self.max_kv_blocks > 0)
 
 
 def _visible(rows: Bool[Array, "B Lq N"], key_node: Int[Array, "B Lk"]) -> Bool[Array, "B Lq Lk"]:
@@ -204,9 +211,10 @@ def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np
 
   node_of_token `[B, L]` and parent `[B, N]` as in TreeBatch. The bound is at least
   `max_visible_blocks` (so no pair is dropped) and at most nb = L / block (every
-  block: `blockwise_attention` caps it there anyway). Dense configs are returned as is.
+  block: `blockwise_attention` caps it there anyway). Unbounded configs (dense, Pallas
+  on a GPU) are returned as is.
   """
-  if config.impl != "blockwise":
+  if not config.bounded:
     return config
   l = node_of_token.shape[1]
   if l % config.block:
@@ -371,7 +379,7 @@ def attention(q, k, v, tree: TreeMask, config: AttentionConfig):
     interpret = (jax.default_backend() == "cpu" if config.interpret is None
                  else config.interpret)
     return pallas_tree_attention(q, k, v, tree.node_of_token, tree.subtree_end(), config.block,
-                                 interpret=interpret)
+                                 interpret=interpret, max_kv_blocks=config.max_kv_blocks)
   return blockwise_attention(q, k, v, tree, config.block, config.max_kv_blocks)
 
 

@@ -45,6 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from tree_rl.models import pallas_attention_tpu
 from tree_rl.tree.types import Array, Float, Int
 
 KERNEL_NAMES = ("tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv")
@@ -200,7 +201,7 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _common_specs(l: int, block: int, kv_head):
+def _common_specs(l: int, block: int):
   """Specs of the per-(row, block) pair list and count, and the per-row key vectors."""
   return [
       pl.BlockSpec((None, None, l // block), lambda b, h, i: (b, i, 0)),  # list
@@ -208,15 +209,16 @@ def _common_specs(l: int, block: int, kv_head):
   ], pl.BlockSpec((None, l), lambda b, h, i: (b, 0))
 
 
-def _forward(q, k, v, node, end, kv_list, kv_count, *, block, interpret):
+def _gpu_forward(q, k, v, node, end, *, block, interpret):
   b, l, h, d = q.shape
   hk = k.shape[2]
   g, nb = h // hk, l // block
-  lists, row = _common_specs(l, block, None)
+  kv_list, kv_count, _, _ = block_lists(node, end, block)
+  lists, row = _common_specs(l, block)
   kernel = functools.partial(_fwd_kernel, block=block, scale=1.0 / math.sqrt(d),
                              precision=_precision(q.dtype))
   q_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
-  kv_spec = pl.BlockSpec((None, l, None, d), lambda bi, hi, i: (bi, 0, hi // g, 0))
+  kv_spec = pl.BlockSpec((None, l, None, d), lambda bi, hi, i: (bi, 0, lax.div(hi, g), 0))
   return pl.pallas_call(
       kernel, grid=(b, h, nb),
       in_specs=lists + [q_spec, kv_spec, kv_spec,
@@ -228,16 +230,16 @@ def _forward(q, k, v, node, end, kv_list, kv_count, *, block, interpret):
   )(kv_list, kv_count, q, k, v, node, node, end)
 
 
-def _backward(q, k, v, node, end, lists, out, lse, do, *, block, interpret):
-  kv_list, kv_count, q_list, q_count = lists
+def _gpu_backward(q, k, v, node, end, out, lse, do, *, block, interpret):
+  kv_list, kv_count, q_list, q_count = block_lists(node, end, block)
   b, l, h, d = q.shape
   hk = k.shape[2]
   g, nb = h // hk, l // block
   scale, precision = 1.0 / math.sqrt(d), _precision(q.dtype)
   delta = jnp.einsum("blhd,blhd->bhl", out.astype(jnp.float32), do.astype(jnp.float32))
-  list_specs, row = _common_specs(l, block, None)
+  list_specs, row = _common_specs(l, block)
   q_spec = pl.BlockSpec((None, block, None, d), lambda bi, hi, i: (bi, i, hi, 0))
-  kv_spec = pl.BlockSpec((None, l, None, d), lambda bi, hi, i: (bi, 0, hi // g, 0))
+  kv_spec = pl.BlockSpec((None, l, None, d), lambda bi, hi, i: (bi, 0, lax.div(hi, g), 0))
   stat_spec = pl.BlockSpec((None, None, block), lambda bi, hi, i: (bi, hi, i))
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block=block, scale=scale, precision=precision),
@@ -268,41 +270,103 @@ def _backward(q, k, v, node, end, lists, out, lse, do, *, block, interpret):
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(q, k, v, meta, block, interpret):
-  node, end, kv_list, kv_count, _, _ = meta
-  out, _ = _forward(q, k, v, node, end, kv_list, kv_count, block=block, interpret=interpret)
-  return out
+# ------------------------------------------------------------------- dispatch
 
 
-def _attend_fwd(q, k, v, meta, block, interpret):
-  node, end, kv_list, kv_count, _, _ = meta
-  out, lse = _forward(q, k, v, node, end, kv_list, kv_count, block=block, interpret=interpret)
-  return out, (q, k, v, meta, out, lse)
+def _pad_tokens(x, pad: int, axis: int, value=0):
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
 
 
-def _attend_bwd(block, interpret, res, do):
-  q, k, v, meta, out, lse = res
-  node, end, *lists = meta
-  dq, dk, dv = _backward(q, k, v, node, end, lists, out, lse, do, block=block,
-                         interpret=interpret)
-  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jax.dtypes.float0), meta)
-  return dq, dk, dv, zeros
+def _tpu_geometry(l: int, block: int, max_kv_blocks: int) -> tuple[int, int, int]:
+  """(TPU block, token padding, bound): Mosaic wants a key-side row block of a multiple of
+  128 lanes, so the block is rounded up to one and L padded to a multiple of it; a bound
+  fitted for another block size no longer applies (0: every causal pair)."""
+  tb = -(-block // 128) * 128
+  return tb, -l % tb, max_kv_blocks if tb == block else 0
+
+
+def _tpu_forward(q, k, v, node, end, *, block, max_kv_blocks, interpret):
+  l = q.shape[1]
+  tb, pad, bound = _tpu_geometry(l, block, max_kv_blocks)
+  if pad:
+    q, k, v = (_pad_tokens(x, pad, 1) for x in (q, k, v))
+    node, end = _pad_tokens(node, pad, 1, -1), _pad_tokens(end, pad, 1, -1)
+  out, lse = pallas_attention_tpu.forward(q, k, v, node, end, block=tb, max_kv_blocks=bound,
+                                          interpret=interpret)
+  return out[:, :l], lse[..., :l]
+
+
+def _tpu_backward(q, k, v, node, end, out, lse, do, *, block, max_kv_blocks, interpret):
+  l = q.shape[1]
+  tb, pad, bound = _tpu_geometry(l, block, max_kv_blocks)
+  if pad:
+    q, k, v, out, do = (_pad_tokens(x, pad, 1) for x in (q, k, v, out, do))
+    node, end = _pad_tokens(node, pad, 1, -1), _pad_tokens(end, pad, 1, -1)
+    lse = _pad_tokens(lse, pad, 2)
+  grads = pallas_attention_tpu.backward(q, k, v, node, end, out, lse, do, block=tb,
+                                        max_kv_blocks=bound, interpret=interpret)
+  return tuple(x[:, :l] for x in grads)
+
+
+def _dispatch(gpu, tpu, backend, *args):
+  if backend == "gpu":
+    return gpu(*args)
+  if backend == "tpu":
+    return tpu(*args)
+  # The platform is chosen when the program is lowered (jax.export for CUDA or TPU too).
+  return lax.platform_dependent(*args, tpu=tpu, default=gpu)
+
+
+def _forward(q, k, v, node, end, block, backend, max_kv_blocks, interpret):
+  gpu = functools.partial(_gpu_forward, block=block, interpret=interpret)
+  tpu = functools.partial(_tpu_forward, block=block, max_kv_blocks=max_kv_blocks,
+                          interpret=interpret)
+  return _dispatch(gpu, tpu, backend, q, k, v, node, end)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attend(q, k, v, node, end, block, backend, max_kv_blocks, interpret):
+  return _forward(q, k, v, node, end, block, backend, max_kv_blocks, interpret)[0]
+
+
+def _attend_fwd(q, k, v, node, end, block, backend, max_kv_blocks, interpret):
+  out, lse = _forward(q, k, v, node, end, block, backend, max_kv_blocks, interpret)
+  return out, (q, k, v, node, end, out, lse)
+
+
+def _attend_bwd(block, backend, max_kv_blocks, interpret, res, do):
+  q, k, v, node, end, out, lse = res
+  gpu = functools.partial(_gpu_backward, block=block, interpret=interpret)
+  tpu = functools.partial(_tpu_backward, block=block, max_kv_blocks=max_kv_blocks,
+                          interpret=interpret)
+  dq, dk, dv = _dispatch(gpu, tpu, backend, q, k, v, node, end, out, lse, do)
+  zero = lambda x: jnp.zeros(x.shape, jax.dtypes.float0)
+  return dq, dk, dv, zero(node), zero(end)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
+BACKENDS = ("auto", "gpu", "tpu")
+
+
 def pallas_tree_attention(
     q: Float[Array, "B L H Dh"], k: Float[Array, "B L Hk Dh"], v: Float[Array, "B L Hk Dh"],
     node_of_token: Int[Array, "B L"], subtree_end: Int[Array, "B N"], block: int,
-    interpret: bool = False,
+    interpret: bool = False, backend: str = "auto", max_kv_blocks: int = 0,
 ) -> Float[Array, "B L H Dh"]:
   """Tree attention of a depth-first packed batch, fused (differentiable in q, k, v).
 
   Equals `tree_rl.models.attention.dense_attention` (a query with no visible key
-  gives 0). L must be a multiple of `block` (>= 16, Triton's smallest dot); a head
-  dim that is not a power of two is zero-padded to one for the kernel.
+  gives 0). L must be a multiple of `block` (a power of two >= 16, Triton's smallest
+  dot); a head dim that is not a power of two is zero-padded to one for the kernels.
+
+  backend: "gpu" (Triton), "tpu" (Mosaic, `pallas_attention_tpu`) or "auto": chosen
+  when the program is lowered (`lax.platform_dependent`: TPU on a TPU, Triton else).
+  max_kv_blocks: the TPU kernels' static pair bound (`pallas_attention_tpu`; 0: every
+  causal pair); the GPU kernels need none.
   """
   b, l, h, d = q.shape
   if l % block:
@@ -311,6 +375,8 @@ def pallas_tree_attention(
     raise ValueError(f"pallas attention block={block} must be a power of two >= 16")
   if h % k.shape[2]:
     raise ValueError(f"{h} query heads do not split into {k.shape[2]} kv heads")
+  if backend not in BACKENDS:
+    raise ValueError(f"pallas attention backend={backend!r}; choose one of {BACKENDS}")
   pad = (1 << max(d - 1, 0).bit_length()) - d  # to a power of two (Triton block shapes)
   if pad:
     widen = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, pad)))
@@ -318,6 +384,5 @@ def pallas_tree_attention(
     q = widen(q * jnp.asarray(math.sqrt((d + pad) / d), q.dtype))
     k, v = widen(k), widen(v)
   node, end = token_vectors(node_of_token, subtree_end)
-  meta = (node, end) + block_lists(node, end, block)
-  out = _attend(q, k, v, meta, block, interpret)
+  out = _attend(q, k, v, node, end, block, backend, max_kv_blocks, interpret)
   return out[..., :d] if pad else out
