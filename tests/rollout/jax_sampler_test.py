@@ -359,3 +359,22 @@ def test_decoding_narrows_to_the_live_requests_and_samples_the_same(model, monke
             for c, n in zip(ctxs, budgets)]
   for c, n, r in zip(ctxs, budgets, JaxSampler(model, rows=4, slots=64).generate(greedy)):
     assert r.tokens == _argmax_decode(model, c, n)
+
+
+def test_non_finite_logits_are_counted_and_their_tree_is_refused():
+  """A NaN weight makes every logit NaN: the sampler counts the tokens drawn from them,
+  and a tree holding their log-probs fails its checks, so it never reaches a loss."""
+  from tree_rl.tree import NodeKind, RolloutTree, TreeError  # noqa: PLC0415
+
+  graphdef, state = nnx.split(Decoder(CFG, rngs=nnx.Rngs(0)))
+  broken = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), state))
+  eng = JaxSampler(broken, rows=2, slots=64)
+  ctx = _ctx(3)
+  (res,) = eng.generate([GenerationRequest(ctx, SamplingParams(temperature=1.0,
+                                                               max_new_tokens=4))])
+  assert eng.stats["nonfinite_tokens"] == len(res.tokens) > 0
+  tree = RolloutTree.new(list(ctx))
+  node = tree.add_node(0, NodeKind.POLICY, list(res.tokens), logprobs=list(res.logprobs))
+  tree.add_leaf(node, {"outcome": 1.0})
+  with pytest.raises(TreeError, match="must be finite"):
+    tree.check(vocab_size=CFG.vocab_size)

@@ -295,12 +295,19 @@ class Decoder(nnx.Module):
     return w
 
   def sampling_weights(self) -> SamplingWeights:
-    """This model's weights for `CachedDecoder`: LoRA merged (W + scale A B), layers split."""
-    stacked = {name: self.merged_kernel(name) for name in self.layer_names}
+    """This model's weights for `CachedDecoder`: LoRA merged (W + scale A B), layers split.
+
+    The matrices (projections, embedding, head) are stored in the compute dtype, which
+    every product casts them to anyway, so a bf16 decode step reads half the bytes of
+    the float32 master weights for the same result; norms stay float32, as the learner
+    applies them."""
+    dt = jnp.dtype(self.config.dtype)
+    cast = lambda w: w.astype(dt) if w.ndim == 3 else w  # [layers, in, out] matrices
+    stacked = {name: cast(self.merged_kernel(name)) for name in self.layer_names}
     layers = tuple({k: v[i] for k, v in stacked.items()}
                    for i in range(self.config.num_hidden_layers))
     head = self.embed.get_value() if self.config.tie_word_embeddings else self.lm_head.get_value().T
-    return SamplingWeights(embed=self.embed.get_value(), head=jnp.asarray(head),
+    return SamplingWeights(embed=self.embed.get_value().astype(dt), head=jnp.asarray(head, dt),
                            final_norm=self.final_norm.get_value(), layers=layers)
 
   def cached(self) -> "CachedDecoder":

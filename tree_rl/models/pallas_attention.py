@@ -1,4 +1,4 @@
-"""Tree attention as a fused Pallas kernel, forward and backward (flash style).
+"""Tree attention as fused Pallas kernels, forward and backward (flash style).
 
 The packed layout (`tree_rl.tree.batch`) is depth-first: node n's subtree is the
 node range [n, subtree_end[n]), and every node's tokens follow its ancestors'. So
@@ -7,14 +7,14 @@ key j is visible to query i iff
     node(j) <= node(i) < subtree_end[node(j)]   and   j <= i,
 
 an elementwise test on three per-token vectors (the query's node, the key's node
-and the key's subtree end), which is the exact mask the kernel applies inside a
+and the key's subtree end), which is the exact mask the kernels apply inside a
 block. Which (query block, key block) pairs hold any visible pair is known from
 the same vectors: the nodes of a block are a contiguous range, so key block kb
 <= qb is visible from query block qb iff the largest subtree end among kb's keys
 exceeds the smallest node among qb's queries (`block_lists`).
 
-Three kernels, each a grid over (row, head, block) that loops over its block's
-visible partners only, so the work is the visible pairs, not L^2:
+Three kernels, each over the visible pairs only, so the work is the visible pairs,
+not L^2:
 
 * forward: per query block, an online softmax over its visible key blocks; it
   saves the log-sum-exp for the backward pass;
@@ -23,15 +23,20 @@ visible partners only, so the work is the visible pairs, not L^2:
   that share its kv head (GQA), so dk and dv are written once per kv head.
 
 Scores, softmax statistics and accumulators are f32 whatever the input dtype (bf16
-inputs: bf16 products with f32 accumulation). The pair lists are computed inside
-jit from the tree (an O(B nb^2) pass), with one static width (nb, every block), so
-no bound is fitted to a batch and nothing recompiles when the tree changes: a
-block's loop runs as many iterations as it has visible partners.
+inputs: bf16 products with f32 accumulation).
 
-The kernels are written against Pallas' Triton backend (GPU). On a CPU they run
-only with `interpret=True` (tests); `tree_rl.models.attention.attention` picks
-interpret mode on CPU, and a CPU run that asks for `model.attention="pallas"` is
-refused at start-up (`tree_rl.config_types.ModelSpec.check_backend`).
+This module holds the GPU (Triton) kernels: a grid over (row, head, block) whose
+programs loop over their block's visible partners with a dynamic trip count. The
+pair lists are computed inside jit from the tree (an O(B nb^2) pass) with one
+static width (nb, every block), so no bound is fitted to a batch and nothing
+recompiles when the trees change. The TPU (Mosaic) kernels, which walk a static
+grid of pair slots instead, are in `pallas_attention_tpu`; `pallas_tree_attention`
+picks one set when the program is lowered (`lax.platform_dependent`).
+
+On a CPU the kernels run only with `interpret=True` (tests);
+`tree_rl.models.attention.attention` picks interpret mode on a CPU, and a CPU run
+that asks for `model.attention="pallas"` is refused at start-up
+(`tree_rl.config_types.ModelSpec.check_backend`).
 """
 
 from __future__ import annotations
@@ -187,7 +192,7 @@ def _dkv_kernel(list_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, ke_ref
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-# ------------------------------------------------------------------- calls
+# ------------------------------------------------------------------- GPU calls
 
 
 def _params(interpret: bool, head_dim: int):

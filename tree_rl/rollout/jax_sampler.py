@@ -53,6 +53,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax import lax
 from jaxtyping import UInt
@@ -394,7 +395,10 @@ class JaxSampler:
     self.clock = 0  # admissions so far: the rows' LRU clock
     self.calls = 0
     self.rng = jax.random.key(seed)
-    self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0}
+    # nonfinite_tokens: sampled from a non-finite logits row (their log-prob is not finite:
+    # the tree fails its checks and never reaches a loss; see RolloutTree.check).
+    self.stats = {"prefill_tokens": 0, "reused_tokens": 0, "generated_tokens": 0,
+                  "nonfinite_tokens": 0}
 
   # ------------------------------------------------------------------------
 
@@ -641,6 +645,10 @@ class JaxSampler:
         n, finish = cut, "stop"
     self.stats["prefill_tokens"] += prefill
     self.stats["generated_tokens"] += n
+    bad = int((~np.isfinite(logprobs[:n])).sum())
+    if bad:
+      self.stats["nonfinite_tokens"] += bad
+      logging.warning("JaxSampler: %d of %d sampled tokens came from non-finite logits", bad, n)
     return GenerationResult(
         tokens=tuple(int(x) for x in gen[:n]), logprobs=tuple(float(x) for x in logprobs[:n]),
         entropies=tuple(float(x) for x in entropies[:n]), finish_reason=finish, stop=stop,
