@@ -1,15 +1,17 @@
 """The training-inference mismatch: the sampler's recorded log-probs against the learner's.
 
     python benchmarks/precision.py [--tasks 16] [--samples 4] [--max-new 96]
-        [--temperature 1.0] [--model smollm2|tiny] [--smoke]
+        [--temperature 0.6] [--model smollm2|tiny] [--smoke]
 
 On-policy, the PPO ratio pi_learner / pi_sampler is 1 at every sampled token; any
 difference is numerics (two programs computing the same policy: the sampler's
 cached decode and the learner's packed tree forward). For each dtype of
 `config.model.dtype` (float32, bfloat16), the same weights sample `--samples`
-answers to each of `--tasks` tool-world prompts (the main job's chat format) with
-the JAX sampler, then the learner scores the packed trees (`tree_logprobs`, the
-update step's forward). Per dtype it prints, over every sampled token:
+answers to each of `--tasks` tool-world prompts (the main job's tasks, chat format
+and temperature; the sampler records the untempered policy's log-probs) with the
+JAX sampler, then the learner scores the packed trees as the update step does
+(`tree_logprobs`, blockwise attention fitted to the batch). Per dtype it prints,
+over every sampled token:
 
   METRIC mismatch_mean_abs_log_ratio_<dtype> <mean |log pi_learner - log pi_sampler|>
   METRIC mismatch_frac_ratio_off_0.2_<dtype> <fraction of tokens with |ratio - 1| > 0.2>
@@ -45,7 +47,9 @@ def mismatch(model, tokenizer, prompts: list[list[int]], samples: int, max_new: 
              temperature: float, seed: int = 0) -> dict[str, float]:
   """Sampler vs learner log-probs of `samples` answers to each prompt (one tree each)."""
   import jax  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
 
+  from tree_rl.models.attention import AttentionFitter  # noqa: PLC0415
   from tree_rl.models.logprobs import tree_logprobs  # noqa: PLC0415
 
   chat = ChatFormat.from_tokenizer(tokenizer)
@@ -65,7 +69,10 @@ def mismatch(model, tokenizer, prompts: list[list[int]], samples: int, max_new: 
     if tree.leaves:
       trees.append(tree)
   batch = pack(trees, Buckets(tokens=tuple(256 * i for i in range(1, 65)), trees=None))
-  learner, _ = jax.jit(lambda m, b: tree_logprobs(m, b))(model, batch)
+  # The learner as the trainer runs it: its attention fitted to the batch (blockwise).
+  fitted = nnx.merge(AttentionFitter(model).graphdef(batch), nnx.state(model))
+  graphdef, state = nnx.split(fitted)
+  learner, _ = jax.jit(lambda s, b: tree_logprobs(nnx.merge(graphdef, s), b))(state, batch)
   policy = np.asarray(batch.loss_mask)
   log_ratio = (np.asarray(learner, np.float64) - np.asarray(batch.behavior_logp, np.float64)
                )[policy]
@@ -82,18 +89,20 @@ def main() -> None:
   p.add_argument("--tasks", type=int, default=16)
   p.add_argument("--samples", type=int, default=4)
   p.add_argument("--max-new", type=int, default=96)
-  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--temperature", type=float, default=0.6)
   p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
   p.add_argument("--smoke", action="store_true")
   args = p.parse_args()
   if args.smoke:
     args.tasks, args.samples, args.max_new = 2, 2, 16
-  family = make_family("toolworld")
+  # The main job's tasks (configs/apppo.py): 3 tools a task, difficulty-1 questions.
+  family = make_family("toolworld", tools_per_task=3, difficulties=(1,))
   tasks = family.generate("eval", args.tasks, 0)
   figures = {}
   for dtype in ("float32", "bfloat16"):
     start = time.perf_counter()
-    model, tokenizer = build_policy(ModelSpec(name=args.model, dtype=dtype, lora_rank=0), 0)
+    spec = ModelSpec(name=args.model, dtype=dtype, lora_rank=0, attention="blockwise")
+    model, tokenizer = build_policy(spec, 0)
     chat = ChatFormat.from_tokenizer(tokenizer)
     prompts = [chat.prompt_tokens(t.messages) for t in tasks]
     m = mismatch(model, tokenizer, prompts, args.samples, args.max_new, args.temperature)
