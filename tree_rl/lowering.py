@@ -108,9 +108,9 @@ def _export(fn, platform: str, *args) -> export.Exported:
 
 
 def _sampler_inputs(shape: Shape, max_new_tokens: int):
-  """(loop, admit args, decode args) of `shape`'s sampler: the slot state and admission
-  recorded from a tiny model's `generate` (same vocabulary), the weights and KV cache
-  the real model's, as shapes."""
+  """(admit args, decode args) of `shape`'s sampler programs: the slot state and
+  admission recorded from a tiny model's `generate` (same vocabulary), the loop's model,
+  the weights and the KV cache the real model's, as shapes."""
   from tree_rl.rollout import jax_sampler  # noqa: PLC0415
   from tree_rl.rollout.engine import GenerationRequest, SamplingParams  # noqa: PLC0415
 
