@@ -276,6 +276,15 @@ def test_profile_writes_a_trace(tmp_path):
     (lambda c: (c.rollout.update(strategy="appo", max_staleness=1),
                 c.algo.update(num_minibatches=2)), "needs the current policy"),
     (lambda c: c.rollout.update(max_staleness=-1), "max_staleness=-1 must be an int"),
+    (lambda c: c.optim.update(lr=float("nan")), r"config.optim.lr=nan must be a finite number"),
+    (lambda c: c.optim.update(lr=-1e-5), r"config.optim.lr=-1e-05 must be a finite number in \(0"),
+    (lambda c: c.optim.update(grad_clip=-1.0), "config.optim.grad_clip=-1.0"),
+    (lambda c: c.optim.update(weight_decay=float("inf")), "config.optim.weight_decay=inf"),
+    (lambda c: c.optim.update(warmup_steps=-2), "config.optim.warmup_steps=-2 must be an int"),
+    (lambda c: c.sft.update(lr=float("nan")), "config.sft.lr=nan"),
+    (lambda c: c.rollout.update(temperature=float("nan")), "config.rollout.temperature=nan"),
+    (lambda c: c.rollout.update(top_p=1.5), r"config.rollout.top_p=1.5 must be a finite number "
+                                             r"in \(0.0, 1.0\]"),
     (lambda c: c.model.update(attention="pallas"),
      r"config.model.attention='pallas' is a GPU and TPU kernel, but JAX's backend is 'cpu': "
      r"use config.model.attention='blockwise'"),

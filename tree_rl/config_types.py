@@ -11,6 +11,7 @@ ConfigDict.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,25 @@ def _build(cls, section: str, values: Mapping[str, Any] | None):
 def _choice(section: str, name: str, value: Any, valid) -> None:
   if value not in valid:
     raise ValueError(f"config.{section}.{name}={value!r}; valid values: {sorted(valid)}")
+
+
+def _number(section: str, name: str, value: Any, *, low: int | float | None = None,
+            high: int | float | None = None, low_open: bool = False,
+            integer: bool = False) -> None:
+  """Fails naming config.<section>.<name> unless `value` is a finite number (an int when
+  `integer`) in the range [low, high] (low excluded when `low_open`)."""
+  kind = "an int" if integer else "a finite number"
+  ok = (not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+        and math.isfinite(value))
+  if ok and low is not None:
+    ok = value > low if low_open else value >= low
+  if ok and high is not None:
+    ok = value <= high
+  if not ok:
+    where = "" if low is None and high is None else " in " + (
+        f"{'(' if low_open else '['}{low if low is not None else '-inf'}, "
+        f"{high if high is not None else 'inf'}{']' if high is not None else ')'}")
+    raise ValueError(f"config.{section}.{name}={value!r} must be {kind}{where}")
 
 
 def _positive(section: str, **values: Any) -> None:
@@ -236,8 +256,13 @@ class RolloutSpec:
         check_predictor(kw.get("predictor", "running_mean"), kw.get("predictor_kwargs"))
       except ValueError as e:
         raise ValueError(f"config.rollout.strategy_kwargs: {e}") from None
-    _positive("rollout", samples_per_task=self.samples_per_task,
-              max_new_tokens=self.max_new_tokens, cache_rows=self.cache_rows)
+    # Sampling: a NaN temperature would make every rollout greedy without a word.
+    _number("rollout", "temperature", self.temperature, low=0.0)
+    _number("rollout", "top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+    _number("rollout", "top_k", self.top_k, low=0, integer=True)
+    _number("rollout", "max_turns", self.max_turns, low=0, integer=True)
+    for name in ("samples_per_task", "max_new_tokens", "max_context_tokens", "cache_rows"):
+      _number("rollout", name, getattr(self, name), low=1, integer=True)
     if self.max_context_tokens < self.max_new_tokens + 1:
       raise ValueError(f"config.rollout.max_context_tokens={self.max_context_tokens} must exceed "
                        f"max_new_tokens={self.max_new_tokens}")
@@ -323,6 +348,14 @@ class OptimSpec:
   grad_clip: float = 1.0
   warmup_steps: int = 0
 
+  def __post_init__(self):
+    # A NaN or negative learning rate trains NaN weights with finite losses (nothing else
+    # would stop it): every value is checked here, naming the field.
+    _number("optim", "lr", self.lr, low=0.0, low_open=True)
+    _number("optim", "weight_decay", self.weight_decay, low=0.0)
+    _number("optim", "grad_clip", self.grad_clip, low=0.0, low_open=True)
+    _number("optim", "warmup_steps", self.warmup_steps, low=0, integer=True)
+
 
 @dataclasses.dataclass(frozen=True)
 class SFTSpec:
@@ -334,6 +367,7 @@ class SFTSpec:
   ckpt_every_steps: int = 5  # SFT's progress checkpoint (tree_rl.phases)
 
   def __post_init__(self):
+    _number("sft", "lr", self.lr, low=0.0, low_open=True)
     _positive("sft", tasks_per_step=self.tasks_per_step, ckpt_every_steps=self.ckpt_every_steps)
     if self.steps < 0:
       raise ValueError(f"config.sft.steps={self.steps} must be >= 0")

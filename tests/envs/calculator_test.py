@@ -196,3 +196,16 @@ def test_unknown_name_lists_what_is_allowed():
 ])
 def test_format_number(value, text):
   assert format_number(value) == text
+
+
+@pytest.mark.parametrize("expression", ["round(1, 20000000)", "round(1, 999999999)",
+                                        "round(1/3, -5000)", "round(2, 1.5)"])
+def test_round_bounds_its_digits_before_computing(expression):
+  """round(1, n) on an exact value computes 10**n first: a huge n once held the GIL for
+  ~18 s (every rollout thread froze). Now it is refused at once."""
+  start = time.perf_counter()
+  with pytest.raises(ValueError, match=r"round\(\): ndigits must be an integer between "
+                                       r"-4000 and 4000"):
+    evaluate(expression)
+  assert time.perf_counter() - start < 0.5
+  assert evaluate("round(1234, -2)") == 1200 and evaluate("round(2.675, 2)") == Fraction(268, 100)

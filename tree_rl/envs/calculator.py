@@ -50,8 +50,25 @@ def _log(x: Any, base: Any = None) -> float:
   return math.log(x) if base is None else math.log(x, base)
 
 
+# round()'s digits are bounded before it runs: round(1, n) on an exact value computes
+# 10**n first (round(1, 20000000) held the GIL for ~18 s), and no value the calculator
+# keeps (MAX_RESULT_BITS) has more digits than this.
+MAX_ROUND_DIGITS = 4_000
+
+
+def _round(x: Any, ndigits: Any = None) -> Any:
+  """round(x) or round(x, ndigits), with |ndigits| <= MAX_ROUND_DIGITS and an integer."""
+  if ndigits is None:
+    return round(x)
+  n = _integer(ndigits)
+  if n is None or abs(n) > MAX_ROUND_DIGITS:
+    raise ValueError(f"ndigits must be an integer between -{MAX_ROUND_DIGITS} and "
+                     f"{MAX_ROUND_DIGITS}, got {ndigits}")
+  return round(x, n)
+
+
 FUNCTIONS: dict[str, Callable[..., Any]] = {
-    "sqrt": math.sqrt, "abs": abs, "round": round, "min": min, "max": max,
+    "sqrt": math.sqrt, "abs": abs, "round": _round, "min": min, "max": max,
     "floor": math.floor, "ceil": math.ceil, "log": _log, "log10": math.log10,
     "exp": math.exp, "sin": math.sin, "cos": math.cos, "tan": math.tan}
 CONSTANTS: dict[str, float] = {"pi": math.pi, "e": math.e}
