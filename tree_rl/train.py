@@ -399,7 +399,9 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     if not primary:
       return m
     report.to_json(str(workdir_path / f"eval_{stage}.json"))
-    with open(workdir_path / f"eval_{stage}_transcripts.jsonl", "w", encoding="utf-8") as f:
+    # errors="replace": a string no codec can write (a lone surrogate) must not end the run.
+    with open(workdir_path / f"eval_{stage}_transcripts.jsonl", "w", encoding="utf-8",
+              errors="replace") as f:
       for rec, ep in zip(report.records, report.episodes):  # what the model said, per task
         f.write(json.dumps({"task_id": ep.task_id, "correct": ep.correct, "reward": ep.reward,
                             "question": rec.task.messages[-1]["content"],

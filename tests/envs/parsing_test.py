@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tree_rl.envs.base import ToolError
-from tree_rl.envs.parsing import format_tool_call, parse_step
+from tree_rl.envs.parsing import MAX_NAME_CHARS, format_tool_call, parse_step
 
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
@@ -162,3 +162,19 @@ def test_format_tool_call_round_trips():
   step = parse_step(text)
   assert step.fields_ok and step.calls[0].name == "f"
   assert step.calls[0].arguments == {"city": "Zürich", "n": [1, 2]}
+
+
+def test_lone_surrogates_become_replacement_characters_and_names_are_capped():
+  """JSON's "\\ud800" decodes to a lone surrogate, which no UTF-8 writer accepts: a tool
+  name or argument holding one once killed every eval's transcript (on every resume).
+  Valid pairs ("\\ud83d\\ude00") stay the character they spell."""
+  text = ('<tool_call>{"name": "\\ud800calc", "arguments": {"\\udfffx": '
+          '["\\ud83d\\ude00 ok", "\\udc00", 3]}}</tool_call>')
+  (call,) = parse_step(text).calls
+  assert call.error is None
+  assert call.name == "\ufffdcalc"
+  assert call.arguments == {"\ufffdx": ["\U0001F600 ok", "\ufffd", 3]}
+  json.dumps({"name": call.name, "arguments": call.arguments},
+             ensure_ascii=False).encode("utf-8")  # encodes: nothing left to fail
+  long = parse_step('<tool_call>{"name": "' + "a" * 5000 + '", "arguments": {}}</tool_call>')
+  assert len(long.calls[0].name) == MAX_NAME_CHARS

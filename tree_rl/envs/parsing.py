@@ -48,6 +48,28 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # Removed blocks are replaced by a newline: whitespace cannot complete a tag, so
 # cutting a block out never creates a new one, and words on either side stay apart.
 _GAP = "\n"
+MAX_NAME_CHARS = 256  # a tool name longer than this is cut (it names no tool anyway)
+
+
+def valid_text(text: str) -> str:
+  """`text` with every lone surrogate (JSON's "\\ud800" decodes to one) replaced by
+  U+FFFD, so it encodes to UTF-8 wherever it is written next."""
+  try:
+    text.encode("utf-8")
+    return text
+  except UnicodeEncodeError:
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _valid(value: Any) -> Any:
+  """A parsed JSON value with `valid_text` applied to every string, keys included."""
+  if isinstance(value, str):
+    return valid_text(value)
+  if isinstance(value, list):
+    return [_valid(v) for v in value]
+  if isinstance(value, Mapping):
+    return {valid_text(k) if isinstance(k, str) else k: _valid(v) for k, v in value.items()}
+  return value
 
 
 def _first_block(text: str, open_tag: str, close_tag: str) -> tuple[int, int, str] | None:
@@ -120,8 +142,8 @@ def _check_call(value: Any, raw: str, where: str) -> ToolCall:
                     '(write "arguments": {} for a function without arguments)')
   elif not isinstance(arguments, Mapping):
     problems.append(f'"arguments" must be a JSON object, got {_json_type(arguments)}')
-  return ToolCall(name=name if isinstance(name, str) else None,
-                  arguments=arguments if isinstance(arguments, Mapping) else None,
+  return ToolCall(name=valid_text(name)[:MAX_NAME_CHARS] if isinstance(name, str) else None,
+                  arguments=_valid(arguments) if isinstance(arguments, Mapping) else None,
                   raw=raw,
                   error=ToolError.FORMAT if problems else None,
                   error_message=where + "; ".join(problems) if problems else None)
