@@ -213,7 +213,14 @@ def write_run_config(workdir: pathlib.Path, values: dict[str, Any], resuming: bo
   path = workdir / "config.json"
   text = json.dumps(values, indent=2, default=str, sort_keys=True)
   if resuming and path.exists() and not allow_change:
-    old, new = flatten_dotted(json.loads(path.read_text())), flatten_dotted(json.loads(text))
+    try:
+      saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path} is not valid JSON ({e}), so this run's config cannot be "
+                       f"compared with the one that wrote the checkpoint: restore the file, or "
+                       f"resume with --allow_config_change (train_and_evaluate(..., "
+                       f"allow_config_change=True)) to write it anew from this config") from None
+    old, new = flatten_dotted(saved), flatten_dotted(json.loads(text))
     changed = sorted(k for k in old if old[k] != new.get(k, old[k]) and not any(
         k == f or k.startswith(f + ".") for f in RESUMABLE_FIELDS))
     if changed:

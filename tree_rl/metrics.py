@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Iterator, Mapping
 
+from absl import logging
+
 
 class MetricWriter:
   """Writes `{step, phase, **metrics}` lines to `<workdir>/metrics.jsonl` and TensorBoard
@@ -43,7 +45,18 @@ class MetricWriter:
     lines = text.splitlines()
     if lines and not text.endswith("\n"):  # a kill in the middle of a write: the row is lost
       lines.pop()                          # with its step, which the resumed run redoes
-    rows = [json.loads(line) for line in lines if line]
+    rows = []
+    for number, line in enumerate(lines, 1):
+      if not line:
+        continue
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError as e:  # a damaged row: the step it logged is not lost
+        logging.warning("%s line %d is not JSON (%s); skipped", path, number, e)
+        continue
+      if not isinstance(rows[-1], dict):
+        logging.warning("%s line %d is not a row object; skipped", path, number)
+        rows.pop()
     kept = [r for r in rows if keep(r)]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")

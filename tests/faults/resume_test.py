@@ -74,6 +74,34 @@ def test_a_torn_last_metrics_row_is_dropped_on_resume(tmp_path):
   assert _rows(tmp_path) == rows + [{"step": 3, "phase": "rl", "loss": 0.125}]
 
 
+def test_a_garbage_metrics_row_is_skipped_naming_the_file_and_line(tmp_path, caplog):
+  """A damaged line in the middle of metrics.jsonl is skipped with a warning that names
+  the file and the line; every other row is kept."""
+  rows = [{"step": 1, "phase": "rl", "loss": 0.5}, {"step": 2, "phase": "rl", "loss": 0.25}]
+  (tmp_path / "metrics.jsonl").write_text(
+      json.dumps(rows[0]) + "\n\x00\x07garbage{\n[1, 2]\n" + json.dumps(rows[1]) + "\n")
+  writer = MetricWriter(tmp_path, total_steps=3)
+  with caplog.at_level("WARNING"):
+    assert writer.keep_only(lambda row: True) == 0
+  writer.close()
+  assert _rows(tmp_path) == rows
+  text = caplog.text
+  assert "metrics.jsonl line 2 is not JSON" in text and "line 3 is not a row object" in text
+
+
+def test_a_truncated_config_json_fails_naming_the_file_and_the_fix(tmp_path):
+  from tree_rl.checkpoint import write_run_config  # noqa: PLC0415
+
+  write_run_config(tmp_path, {"optim": {"lr": 1e-3}}, resuming=False)
+  path = tmp_path / "config.json"
+  path.write_text(path.read_text()[:7])  # cut mid-write by something outside tree_rl
+  with pytest.raises(ValueError, match=r"config.json is not valid JSON .* resume with "
+                                       r"--allow_config_change"):
+    write_run_config(tmp_path, {"optim": {"lr": 1e-3}}, resuming=True)
+  write_run_config(tmp_path, {"optim": {"lr": 1e-3}}, resuming=True, allow_change=True)
+  assert json.loads(path.read_text()) == {"optim": {"lr": 1e-3}}
+
+
 def test_a_saved_checkpoint_step_is_never_silently_kept_over(tmp_path):
   """Orbax does not overwrite a step; saving one again is an error, not a silent no-op."""
   ckpt = RunCheckpointer(tmp_path)
