@@ -36,7 +36,7 @@ printf '%s\n' "${PACKAGES[@]}" >"$OUT/requirements.txt"
 
 # SmolLM2's converted folder without its weights (the tokenizer is what runlocal uses).
 python - "$OUT/tree_rl_cache" <<'EOF'
-import pathlib, shutil, sys
+import json, pathlib, shutil, sys
 from tree_rl.models import gguf_import
 src = gguf_import.default_model_dir()
 dst = pathlib.Path(sys.argv[1]) / src.name
@@ -44,5 +44,9 @@ dst.mkdir(parents=True)
 for f in src.iterdir():
   if f.suffix != ".safetensors":
     shutil.copy(f, dst / f.name)
+marker = dst / gguf_import.MARKER  # it lists the weights' size: drop them from it too
+data = json.loads(marker.read_text())
+data["files"] = {k: v for k, v in data.get("files", {}).items() if not k.endswith(".safetensors")}
+marker.write_text(json.dumps(data, indent=2) + "\n")
 EOF
 du -sh "$OUT"

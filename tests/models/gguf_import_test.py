@@ -380,3 +380,20 @@ def test_smollm2_generates_paris(smollm2):
   answer = tok.decode(out[0, ids["input_ids"].shape[1]:])
   print("SmolLM2 greedy:", repr(answer))
   assert "Paris" in answer
+
+
+def test_a_truncated_cache_is_converted_again(tmp_path, monkeypatch):
+  """The marker records every file's size: a cached folder whose weights were cut short
+  later (a full disk, a killed copy) is converted again, not trusted forever."""
+  path = write_gguf(tmp_path / "m.gguf", "llama", hf_weights("llama", tied=True))
+  monkeypatch.setattr(gguf_import, "smollm2_gguf_path", lambda: path)
+  cache = tmp_path / "cache"
+  out = gguf_import.default_model_dir(cache)
+  weights = out / "model.safetensors"
+  size = weights.stat().st_size
+  assert json.loads((out / gguf_import.MARKER).read_text())["files"]["model.safetensors"] == size
+  with open(weights, "r+b") as f:
+    f.truncate(size // 2)
+  assert not gguf_import._is_complete(out)
+  assert gguf_import.default_model_dir(cache) == out and weights.stat().st_size == size
+  assert set(load(out)[0]) == set(hf_weights("llama", tied=True))

@@ -28,6 +28,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+from absl import logging
 import safetensors.numpy
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -366,8 +367,11 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     tokenizer.save(str(tmp / "tokenizer.json"))
     for name, content in files.items():
       (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n")
+    # Every file's size, so a cache truncated later (a full disk, a killed copy) is
+    # converted again instead of trusted (`_is_complete`).
     marker = {"format_version": FORMAT_VERSION, "source": gguf_path.name,
-              "source_bytes": gguf_path.stat().st_size}
+              "source_bytes": gguf_path.stat().st_size,
+              "files": {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}}
     (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     for file in tmp.iterdir():  # safetensors writes 0600; the folder is meant to be shared
       os.chmod(file, 0o644)
@@ -411,8 +415,15 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> pathli
 
 
 def _is_complete(out_dir: pathlib.Path) -> bool:
+  """The folder's MARKER is current and every file it lists has the size it was written
+  with (a folder whose marker predates the sizes is taken as it is)."""
   try:
     marker = json.loads((out_dir / MARKER).read_text())
-  except (OSError, ValueError):
+    sizes = {name: (out_dir / name).stat().st_size for name in marker.get("files", {})}
+  except (OSError, ValueError, AttributeError):
+    return False
+  if sizes != marker.get("files", {}):
+    logging.warning("%s: %s differ from the sizes they were written with; converting again",
+                    out_dir, sorted(n for n in sizes if sizes[n] != marker["files"][n]))
     return False
   return marker.get("format_version") == FORMAT_VERSION
