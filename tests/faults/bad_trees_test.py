@@ -109,3 +109,22 @@ def test_a_non_finite_update_is_skipped_and_keeps_the_pre_step_state():
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), good.params,
                        before[0])
   assert max(jax.tree.leaves(moved)) > 0
+
+
+def test_an_update_that_makes_a_weight_non_finite_is_skipped():
+  """A finite loss and gradient can still give non-finite weights (here a NaN learning
+  rate, which the config now refuses at start-up): the step is skipped, the state kept."""
+  model = Decoder(ModelConfig.tiny("qwen3", vocab_size=64), rngs=nnx.Rngs(0))
+  opt = optax.sgd(float("nan"))
+  step = jax.jit(ppo.make_update_step(ppo.PPOConfig(estimator="grpo", logprob_chunk=64), opt))
+  trees = [_tree(f"t{i}", reward=float(i % 2)) for i in range(4)]
+  for t in trees:
+    node = t.add_node(0, NodeKind.POLICY, [7, 8], [-1.0, -1.0])
+    t.add_leaf(node, {"outcome": 1.0 - t.leaves[0].rewards["outcome"]})
+  batch = pack(trees, Buckets(tokens=(64,), trees=(4,)))
+  state = ppo.init_state(model, opt)
+  before = jax.tree.map(np.asarray, state.params)
+  after, m = step(state, batch, jax.random.key(0))
+  assert np.isfinite(float(m["loss"])) and np.isfinite(float(m["l2_grads"]))
+  assert float(m["skipped"]) == 1.0
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, after.params))

@@ -156,9 +156,11 @@ def make_update_step(config: PPOConfig, optimizer: optax.GradientTransformation)
     st = derived.structure(batch)
     overflow = attention_overflow(TreeMask(batch.node_of_token, st.ancestor),
                                   state.model(state.params).attention_config)
-    # A step with a non-finite loss or gradient norm in any mini-batch is skipped whole: the
-    # pre-step state is kept (`skipped` = 1; the trainer counts and bounds them).
-    finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["l2_grads"]))
+    # A step with a non-finite loss, gradient norm or parameter (an update that made a weight
+    # NaN or inf) in any mini-batch is skipped whole: the pre-step state is kept (`skipped`
+    # = 1; the trainer counts and bounds them).
+    finite = (jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(jnp.isfinite(metrics["l2_grads"]))
+              & jnp.all(jnp.isfinite(metrics["l2_params"])))
     metrics = jax.tree.map(jnp.mean, metrics)
     metrics["skipped"] = (~finite).astype(jnp.float32)
     metrics[OVERFLOW_METRIC] = overflow
