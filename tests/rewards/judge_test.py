@@ -250,6 +250,25 @@ def test_cache_hit_on_repeat_and_from_file(server_factory, tmp_path):
   assert server.num_requests == 2
 
 
+def test_a_damaged_cache_and_lone_surrogates_do_not_stop_the_judge(server_factory, tmp_path):
+  """A cache line torn inside a multibyte character and a garbage line are skipped (the
+  judge starts and keeps the good entries); a lone surrogate in an episode or a reply
+  (JSON's "\\ud800" from a model) neither fails the cache key nor the cache write."""
+  server = server_factory([label("true"), label("true")])
+  path = tmp_path / "cache.jsonl"
+  judge = make_judge(server.url, cache_path=str(path))
+  judge.judge_outcome(TASK, GOOD, truncated=False)
+  good = path.read_bytes()
+  path.write_bytes(good + b'{"key": "x", "content": "caf\xc3' + b"\n" + b"garbage\n")
+  again = make_judge(server.url, cache_path=str(path))
+  assert again.judge_outcome(TASK, GOOD, truncated=False).source == "cache"
+  odd = [dict(m) for m in GOOD]
+  odd[-1]["content"] = odd[-1]["content"] + "\ud800"
+  assert again.judge_outcome(TASK, odd, truncated=False).source == "judge"
+  again._store("k", "reply \udc00")
+  assert path.read_bytes().endswith('"content": "reply \ufffd"}\n'.encode("utf-8"))
+
+
 def test_cache_off_asks_again(server_factory):
   server = server_factory([label("true"), label("true")])
   judge = make_judge(server.url, cache=False)

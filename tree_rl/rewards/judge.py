@@ -46,7 +46,10 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from absl import logging
+
 from tree_rl.envs.base import Message, Outcome, Task
+from tree_rl.envs.parsing import valid_text
 
 # base.TaskFamily is a plain (not @runtime_checkable) Protocol, which the test-time beartype
 # hook cannot check, so families are typed loosely here.
@@ -395,15 +398,18 @@ class LLMJudge:
     self._counts = collections.Counter()
     self._latency_total = 0.0
     if config.cache and config.cache_path and os.path.exists(config.cache_path):
-      with open(config.cache_path, encoding="utf-8") as f:
-        for line in f:
+      # errors="replace": a line torn inside a multibyte character is one bad entry, not a
+      # run that cannot start.
+      with open(config.cache_path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
           line = line.strip()
-          if line:  # a torn last line (killed writer) is skipped, not fatal
+          if line:  # a torn line (killed writer) is skipped, not fatal
             try:
               entry = json.loads(line)
               self._cache[entry["key"]] = entry["content"]
             except (json.JSONDecodeError, KeyError, TypeError):
-              continue
+              logging.warning("judge cache %s line %d is not an entry; skipped",
+                              config.cache_path, number)
 
   # ---------------------------------------------------------------- public API
 
@@ -528,7 +534,8 @@ class LLMJudge:
     blob = json.dumps({"model": cfg.model, "messages": messages, "temperature": cfg.temperature,
                        "max_tokens": cfg.max_tokens, "vote": vote},
                       sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+    # surrogatepass: a lone surrogate from the model's text must not fail the key.
+    return hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest()
 
   def _ask(self, messages: list[Message], vote: int, parse,
            deadline: _Deadline) -> tuple[Any, bool] | None:
@@ -578,6 +585,7 @@ class LLMJudge:
     return None
 
   def _store(self, key: str, content: str):
+    content = valid_text(content)  # a lone surrogate in a reply could not be written
     with self._lock:
       self._cache[key] = content
       if self.config.cache_path:
