@@ -25,7 +25,7 @@ and the suite goes on):
   grpo         a 3-step GRPO run of the trainer (`configs/grpo.py:runlocal`) with
                `model.attention=pallas`
 
-Budget: about 8 minutes on one H100 or H200, compiles included. `--dry-run` runs every
+Budget: sized for 8 minutes on one H100 or H200, compiles included (not yet timed on one). `--dry-run` runs every
 stage on the CPU at tiny sizes (the kernels in interpret mode, blockwise in the trainer)
 to prove the suite itself; CI runs it. Figures from GPU runs are in docs/performance.md.
 An offline GPU machine lacks a few of tree_rl's dependencies:
@@ -347,10 +347,9 @@ def stage_decode(report: Report, sizes: Sizes, dry: bool) -> None:
   if bw is None:
     print(f"# bandwidth bound skipped: unknown for {jax.devices()[0].device_kind!r}")
     return
-  # A decode step reads every weight once (the sampler's merged weights, in the model's
-  # dtype) and each row's live KV.
+  # A decode step reads the sampler's weights once (`decode_bytes`) and each row's live KV.
   act = jnp.dtype(c.dtype).itemsize
-  weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(eng.weights))
+  weight_bytes = eng.weights.decode_bytes()
   kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * act
   bound = b * bw / (weight_bytes + b * (prompt + steps / 2) * kv)
   report.info(weights_mib=round(weight_bytes / 2**20), bound_tokens_per_s=round(bound))

@@ -221,10 +221,10 @@ def decode_vs_bandwidth(model, config: ModelConfig, args):
 
   t_prefill, t_full = timed(1), timed(steps)
   rate = b * (steps - 1) / (t_full - t_prefill)
-  # Bytes one decode step must read: every parameter once (kept in float32 by
-  # the sampler) and each row's live KV (its mean length over the decode).
+  # Bytes one decode step must read: the sampling weights once (`decode_bytes`: matrices
+  # in the model's dtype) and each row's live KV (its mean length over the decode).
   act = 2 if config.dtype == "bfloat16" else 4
-  param_bytes = 4 * config.num_params
+  param_bytes = eng.weights.decode_bytes()
   kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * act
   kv_bytes = b * (prompt + steps / 2) * kv_per_token
   bound = b * bw / (param_bytes + kv_bytes)

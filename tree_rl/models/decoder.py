@@ -98,6 +98,12 @@ class SamplingWeights:
   final_norm: Float[Array, "D"]
   layers: tuple[dict[str, Array], ...]
 
+  def decode_bytes(self) -> int:
+    """Bytes of weights one decode step reads: every layer's, the final norm and the head
+    (of the embedding, only the sampled tokens' rows)."""
+    return sum(x.size * x.dtype.itemsize
+               for x in jax.tree.leaves((self.layers, self.final_norm, self.head)))
+
 
 class LoRAParam(nnx.Param):
   """LoRA adapter weights: the only trainable parameters when LoRA is on."""
