@@ -82,13 +82,22 @@ def _mask(qb, kb, block, q_node, k_node, k_end):
   return (k_node <= q_node) & (q_node < k_end) & (k_pos <= q_pos)
 
 
+def _slot(major_ref, count_ref, slots: int):
+  """(b, p, count, first, last) of the grid step at row b, slot p: the row's used slots,
+  and whether p is the first and the last slot of its output block (`major_ref` lists
+  each slot's block in the order the grid walks them; slots past `count` repeat the row's
+  last pair)."""
+  b, p = pl.program_id(0), pl.program_id(2)
+  count, block = count_ref[b], major_ref[b, p]
+  first = (p == 0) | (major_ref[b, jnp.maximum(p - 1, 0)] != block)
+  last = (p == count - 1) | (major_ref[b, jnp.minimum(p + 1, slots - 1)] != block)
+  return b, p, count, first, last
+
+
 def _fwd_kernel(qb_ref, kb_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, ke_ref,
                 o_ref, lse_ref, m_scr, l_scr, acc_scr, *, block, scale, slots):
-  b, p = pl.program_id(0), pl.program_id(2)
-  count = count_ref[b]
+  b, p, count, first, last = _slot(qb_ref, count_ref, slots)
   qb, kb = qb_ref[b, p], kb_ref[b, p]
-  first = (p == 0) | (qb_ref[b, jnp.maximum(p - 1, 0)] != qb)
-  last = (p == count - 1) | (qb_ref[b, jnp.minimum(p + 1, slots - 1)] != qb)
 
   @pl.when(first)
   def _():
@@ -122,11 +131,8 @@ def _fwd_kernel(qb_ref, kb_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, 
 
 def _dq_kernel(qb_ref, kb_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, ke_ref,
                do_ref, lse_ref, delta_ref, dq_ref, acc_scr, *, block, scale, slots):
-  b, p = pl.program_id(0), pl.program_id(2)
-  count = count_ref[b]
+  b, p, count, first, last = _slot(qb_ref, count_ref, slots)
   qb, kb = qb_ref[b, p], kb_ref[b, p]
-  first = (p == 0) | (qb_ref[b, jnp.maximum(p - 1, 0)] != qb)
-  last = (p == count - 1) | (qb_ref[b, jnp.minimum(p + 1, slots - 1)] != qb)
 
   @pl.when(first)
   def _():
@@ -151,11 +157,8 @@ def _dq_kernel(qb_ref, kb_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, k
 def _dkv_kernel(kb_ref, qb_ref, count_ref, q_ref, k_ref, v_ref, qn_ref, kn_ref, ke_ref,
                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr, dv_scr, *, block, groups,
                 scale, slots):
-  b, p = pl.program_id(0), pl.program_id(2)
-  count = count_ref[b]
+  b, p, count, first, last = _slot(kb_ref, count_ref, slots)
   kb, qb = kb_ref[b, p], qb_ref[b, p]
-  first = (p == 0) | (kb_ref[b, jnp.maximum(p - 1, 0)] != kb)
-  last = (p == count - 1) | (kb_ref[b, jnp.minimum(p + 1, slots - 1)] != kb)
 
   @pl.when(first)
   def _():
