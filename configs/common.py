@@ -55,7 +55,7 @@ def base_config() -> ml_collections.ConfigDict:
   # The reasoning judge (AWPO's R_reason): kind "" (none), "rubric" (offline) or "llm".
   c.judge = dict(kind="", base_url="", model="", api_key_env="OPENAI_API_KEY", timeout_s=30.0,
                  max_retries=3, total_timeout_s=0.0, votes=1, temperature=0.0, max_tokens=512,
-                 cache_path="")
+                 max_reply_bytes=4 * 2**20, cache_path="")
   # The device mesh (data, fsdp, tensor; -1: the remaining devices). One device by default.
   c.mesh = dict(data=1, fsdp=1, tensor=1, max_replicated_fraction=0.1)
   # Several hosts (tree_rl.distributed): unset fields come from $JAX_COORDINATOR_ADDRESS,

@@ -20,7 +20,7 @@ from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
 from tree_rl.envs import FAMILIES, check_family_options, make_family
-from tree_rl.rewards.judge import JudgeConfig
+from tree_rl.rewards.judge import MAX_REPLY_BYTES, JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.pipeline import check_async
@@ -176,8 +176,10 @@ class RolloutSpec:
   learner_memory_fraction: float = 0.0
   # Rollout workers (tree_rl.rollout.fleet): a step's tasks split across `num_workers`
   # engines, in this process ("local") or one Ray actor each ("ray") with
-  # `worker_num_cpus`/`worker_num_gpus` of Ray resources; a Ray worker silent for
-  # `worker_timeout_s` during a rollout is restarted and its tasks sent again.
+  # `worker_num_cpus`/`worker_num_gpus` of Ray resources; a fleet the cluster cannot place
+  # is refused before any actor starts, a worker not running within `worker_timeout_s` of
+  # the start is an error, and one silent for `worker_timeout_s` during a rollout is
+  # restarted and its tasks sent again.
   backend: str = "local"
   num_workers: int = 1
   worker_num_cpus: float = 1.0
@@ -465,6 +467,7 @@ class JudgeSpec:
   votes: int = 1
   temperature: float = 0.0
   max_tokens: int = 512
+  max_reply_bytes: int = MAX_REPLY_BYTES  # a bigger reply body is a failed request
   cache_path: str = ""  # a JSONL reply cache ("": in memory only)
 
   def __post_init__(self):
@@ -486,7 +489,7 @@ class JudgeSpec:
                        timeout_s=self.timeout_s, max_retries=self.max_retries, votes=self.votes,
                        total_timeout_s=self.total_timeout_s or None,
                        temperature=self.temperature, max_tokens=self.max_tokens,
-                       cache_path=self.cache_path or None)
+                       max_reply_bytes=self.max_reply_bytes, cache_path=self.cache_path or None)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,6 +68,21 @@ class EvalReport:
       json.dump(payload, f, indent=2, sort_keys=False)
       f.write("\n")
 
+  def write_transcripts(self, path: str) -> None:
+    """Writes what the model said, one JSON line per episode: task id, correct, reward,
+    question, reference answer and the episode's messages.
+
+    errors="replace": model text may hold a string no codec can write (a lone surrogate),
+    and that must not end a run (or every resume, which redoes the same greedy eval).
+    """
+    with open(path, "w", encoding="utf-8", errors="replace") as f:
+      for rec, ep in zip(self.records, self.episodes):
+        f.write(json.dumps({"task_id": ep.task_id, "correct": ep.correct, "reward": ep.reward,
+                            "question": rec.task.messages[-1]["content"],
+                            "answer": rec.task.answer,
+                            "episode": list(rec.messages[len(rec.task.messages):])},
+                           default=str, ensure_ascii=False) + "\n")
+
   @classmethod
   def from_json(cls, path: str) -> EvalReport:
     """Reads a report written by `to_json` (without the full records)."""

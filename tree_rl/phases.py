@@ -130,7 +130,16 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     batch, bad = pack_sound([RolloutTree.merge_prompts(trees)], buckets)
     check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
     sft_state, m = sft_step(sft_state, batch)
-    writer.write(i, {k: float(v) for k, v in m.items()}, phase="sft")
+    row = {k: float(v) for k, v in m.items()}
+    if row.get("sft/skipped"):  # non-finite loss, gradient or new weights: the state is kept
+      meta["sft_skipped"] = int(meta.get("sft_skipped", 0)) + 1
+      logging.warning("SFT step %d skipped: its loss (%g), gradient norm (%g) or new parameters' "
+                      "norm (%g) is not finite, so the state before it is kept (sft/skipped=1; "
+                      "%d SFT step(s) skipped so far). Persistent skips mean a too large "
+                      "config.sft.lr or bad SFT data.", i + 1, row.get("sft/loss", float("nan")),
+                      row.get("sft/l2_grads", float("nan")),
+                      row.get("sft/l2_params", float("nan")), meta["sft_skipped"])
+    writer.write(i, row, phase="sft")
     meta["sft_step"] = i + 1
     if (i + 1) % spec.ckpt_every_steps == 0 or i + 1 == spec.steps or stop.set:
       progress.save(i + 1, sft_state, meta)

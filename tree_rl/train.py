@@ -15,7 +15,6 @@ The sections below keep the same banners in every trainer.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import shutil
 import time
@@ -241,6 +240,13 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   workdir_path = pathlib.Path(workdir)
   workdir_path.mkdir(parents=True, exist_ok=True)
   family = make_family(cfg.task.family, **cfg.task.kwargs)
+  # A family that runs model code says how (`task.kwargs.sandbox`); the audit hook alone is
+  # no boundary, so such a run says so here and in every metric row.
+  isolation = getattr(family, "sandbox", None)
+  if isolation == "audit":
+    logging.warning("SANDBOX: task.kwargs.sandbox=audit: the python tool runs model code "
+                    "under an in-process audit hook only, which is NOT a security boundary "
+                    "(no kernel namespaces); install bubblewrap and drop the setting")
   vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
   eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
@@ -288,7 +294,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   write_run_config(workdir_path, config.to_dict() if hasattr(config, "to_dict") else
                    dict(config), resuming=own is not None, allow_change=allow_config_change,
                    write=primary)
-  source = own if own is not None else (RunCheckpointer(cfg.resume) if cfg.resume else None)
+  source = own if own is not None else (RunCheckpointer(cfg.resume, read_only=True)
+                                        if cfg.resume else None)
   if source is sft_progress and source is not None:  # the SFT phase restores its own state
     meta = sft_progress.restore_meta()
     logging.info("resuming SFT after step %d", meta["sft_step"])
@@ -297,6 +304,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     logging.info("resumed from %s at step %d", source.directory, meta["step"])
   # metrics.jsonl keeps the rows of what the checkpoint holds: redone steps are logged once.
   writer.keep_only(lambda row: own is not None and _restored_row(row, meta))
+  if source is not None and source.rejected:  # steps that did not verify: an older one resumed
+    writer.write(int(meta["step"]), source.fallback_metrics(), phase="checkpoint")
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
@@ -399,15 +408,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     if not primary:
       return m
     report.to_json(str(workdir_path / f"eval_{stage}.json"))
-    # errors="replace": a string no codec can write (a lone surrogate) must not end the run.
-    with open(workdir_path / f"eval_{stage}_transcripts.jsonl", "w", encoding="utf-8",
-              errors="replace") as f:
-      for rec, ep in zip(report.records, report.episodes):  # what the model said, per task
-        f.write(json.dumps({"task_id": ep.task_id, "correct": ep.correct, "reward": ep.reward,
-                            "question": rec.task.messages[-1]["content"],
-                            "answer": rec.task.answer,
-                            "episode": list(rec.messages[len(rec.task.messages):])},
-                           default=str, ensure_ascii=False) + "\n")
+    report.write_transcripts(str(workdir_path / f"eval_{stage}_transcripts.jsonl"))
     return m
 
   timer.add("setup", time.perf_counter() - timer.started)  # config to policy and engines
@@ -479,6 +480,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
         update_key = jax.random.fold_in(base_key, 10**6 + step)
         row: dict[str, float] = {}
+        if isolation is not None:
+          row["sandbox/kernel_enforced"] = float(isolation == "bwrap")
         with timer("rollout_wait" if r.max_staleness else "rollout"):
           produced = pipeline.get(step)
         if r.max_staleness:  # grown in the producer, overlapping earlier updates

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from tests.isolation import ISOLATION
 from tree_rl.envs.base import Task, ToolError
 from tree_rl.envs.executor import ToolExecutor, tool_message
 from tree_rl.envs.math_family import MathFamily, extract_answer
@@ -17,7 +18,7 @@ from tree_rl.envs.parsing import parse_step
 
 @pytest.fixture(scope="module")
 def family() -> MathFamily:
-  return MathFamily()
+  return MathFamily(sandbox=ISOLATION)
 
 
 def _tool(family: MathFamily, name: str):
@@ -66,11 +67,11 @@ def test_python_tool_runs_in_the_sandbox(family):
 
 
 def test_generation_is_deterministic_for_a_seed():
-  first = MathFamily().generate("train", 30, seed=7)
-  second = MathFamily().generate("train", 30, seed=7)
+  first = MathFamily(sandbox=ISOLATION).generate("train", 30, seed=7)
+  second = MathFamily(sandbox=ISOLATION).generate("train", 30, seed=7)
   assert first == second
   assert [t.task_id for t in first] == [f"math/train/{i}" for i in range(30)]
-  other = MathFamily().generate("train", 30, seed=8)
+  other = MathFamily(sandbox=ISOLATION).generate("train", 30, seed=8)
   assert [t.messages for t in other] != [t.messages for t in first]
 
 
@@ -91,7 +92,7 @@ def test_tasks_are_well_formed_and_cycle_through_datasets(family):
 
 
 def test_splits_never_share_a_question():
-  family = MathFamily(eval_pool_size=200)
+  family = MathFamily(sandbox=ISOLATION, eval_pool_size=200)
   train = family.generate("train", 450, seed=0)
   evals = family.generate("eval", 150, seed=0)
   train_q = {t.messages[1]["content"] for t in train}
@@ -111,9 +112,9 @@ def test_entries_the_scorer_cannot_credit_are_skipped(family):
 
 def test_eval_beyond_the_pool_is_refused():
   with pytest.raises(ValueError, match="raise eval_pool_size"):
-    MathFamily(eval_pool_size=4).generate("eval", 30, seed=0)
+    MathFamily(sandbox=ISOLATION, eval_pool_size=4).generate("eval", 30, seed=0)
   with pytest.raises(ValueError, match="split"):
-    MathFamily().generate("test", 3, seed=0)
+    MathFamily(sandbox=ISOLATION).generate("test", 3, seed=0)
 
 
 # -- scoring -------------------------------------------------------------------

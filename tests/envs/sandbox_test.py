@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from tree_rl.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from tests.isolation import ISOLATION
+from tree_rl.envs.sandbox import SandboxLimits, SandboxResult
+from tree_rl.envs.sandbox import run_python as _run_python
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+  return _run_python(code, limits, ISOLATION)
 
 
 def _assert_host_fine() -> None:

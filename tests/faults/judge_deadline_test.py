@@ -6,6 +6,12 @@ the call falls back to the verifier and says so, and returns within its time bou
 The bound of a call is `JudgeConfig.call_budget_s()`: total_timeout_s, else the worst case
 of requests that each take timeout_s. A per-read socket timeout alone would not bound a
 trickle (each read returns a byte in time); the judge's per-request watchdog does.
+
+A hostile server can also send a huge body (400 MB, announced by Content-Length, or without
+one, or chunked): the judge reads at most `JudgeConfig.max_reply_bytes` of it, so memory
+stays bounded, and fails the request like an unparseable reply. Parsing counts inside the
+time limit: a body nested too deeply is a clean parse error, a body just under the cap
+parses in bounded time, and a reply that is parsed only after the call's total is refused.
 """
 
 from __future__ import annotations
@@ -14,23 +20,42 @@ import http.server
 import json
 import threading
 import time
+import tracemalloc
 
 import pytest
 
 from tree_rl.config_types import JudgeSpec
 from tree_rl.envs.base import Outcome, Task
+from tree_rl.rewards import judge as judge_lib
 from tree_rl.rewards.judge import JudgeConfig, LLMJudge
 
 TIMEOUT_S = 0.4
 SLACK_S = 0.5  # thread start-up, the verifier, a loaded 2-core CI machine
+HUGE_BYTES = 400 << 20  # what a hostile server offers (it stops when the client hangs up)
+CHUNK = b" " * (1 << 20)  # made once, so the server's own writes allocate nothing
+CAP_BYTES = 1 << 20  # the judges' max_reply_bytes in the size tests
+
+
+def _padded_reply(size: int) -> bytes:
+  """A valid chat completion labelling "false", padded to `size` bytes with a list of
+  floats (among the slowest JSON to parse, byte for byte)."""
+  head = json.dumps({"choices": [{"message": {"role": "assistant",
+                                              "content": '{"label": "false"}'}}]})
+  head = head[:-1] + ', "pad": ['
+  n = (size - len(head) - 2) // 4
+  body = (head + ",".join(["1e5"] * n) + "]}").encode()
+  return body + b" " * (size - len(body))
 
 
 class Server:
   """A ThreadingHTTPServer on 127.0.0.1 that answers every POST with one behaviour:
   "answer" (a chat completion labelling "false"), "sleep" (past the client's timeout),
   "500", "malformed" (a 200 with broken JSON), "trickle_body" (headers, then one body byte
-  every 50 ms, for seconds) or
-  "trickle_headers" (the status line and headers a byte at a time)."""
+  every 50 ms, for seconds),
+  "trickle_headers" (the status line and headers a byte at a time), "huge_length" (a
+  Content-Length of HUGE_BYTES, then that many bytes), "huge_close" (no Content-Length:
+  bytes until the connection closes), "huge_chunked" (chunked transfer encoding), "deep"
+  (a 200 whose body is ~1 MB of "[") or "near_cap" (a valid reply padded to CAP_BYTES)."""
 
   def __init__(self, mode: str):
     self.requests = 0
@@ -42,6 +67,12 @@ class Server:
 
       def log_message(self, *args):
         pass
+
+      def handle(self):
+        try:
+          super().handle()
+        except (ConnectionResetError, BrokenPipeError):
+          pass  # the client hung up on a reply it refused (too big): not a server error
 
       def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -76,9 +107,28 @@ class Server:
               self.wfile.write(bytes([byte]))
               self.wfile.flush()
               time.sleep(0.05)
+          elif mode in ("huge_length", "huge_close", "huge_chunked"):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if mode == "huge_length":
+              self.send_header("Content-Length", str(HUGE_BYTES))
+            elif mode == "huge_chunked":
+              self.send_header("Transfer-Encoding", "chunked")
+            else:
+              self.close_connection = True  # the body ends when the connection does
+            self.end_headers()
+            for _ in range(HUGE_BYTES // len(CHUNK)):
+              if mode == "huge_chunked":
+                self.wfile.write(b"%x\r\n" % len(CHUNK) + CHUNK + b"\r\n")
+              else:
+                self.wfile.write(CHUNK)
+          elif mode == "deep":
+            self._send(200, b"[" * (CAP_BYTES - 1))
+          elif mode == "near_cap":
+            self._send(200, _padded_reply(CAP_BYTES))
           else:
             raise ValueError(f"unknown mode {mode!r}")
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
           pass  # the client gave up, as it should
 
       def _send(self, code, payload):
@@ -206,3 +256,81 @@ def test_the_total_is_configured_and_checked():
   assert derived.judge_config().call_budget_s() == pytest.approx(10.0)
   with pytest.raises(ValueError, match="total_timeout_s"):
     JudgeSpec(total_timeout_s=-1.0)
+
+
+@pytest.mark.parametrize("mode", ["huge_length", "huge_close", "huge_chunked"])
+def test_a_huge_body_is_not_read_and_fails_the_request(serve, mode):
+  # 400 MB offered; the judge reads at most max_reply_bytes (+ one chunk of http.client's
+  # buffering) of each reply, fails the request like an unparseable one and falls back.
+  server = serve(mode)
+  config = JudgeConfig(base_url=server.url, model="judge", timeout_s=5.0, max_retries=1,
+                       backoff_s=0.05, backoff_max_s=0.1, cache=False,
+                       max_reply_bytes=CAP_BYTES)
+  judge = LLMJudge(config, fallback=Verifier())
+  tracemalloc.start()
+  try:
+    verdict, seconds = _bounded(lambda: judge.judge_outcome(TASK, EPISODE, truncated=False),
+                                5.0)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert (verdict.source, verdict.label, verdict.failed_votes) == ("verifier", "true", 1)
+  m = judge.metrics()
+  assert (m["judge/requests"], m["judge/failures"], m["judge/parse_errors"]) == (2, 1, 2)
+  assert peak < 8 * CAP_BYTES, f"peak {peak / 2**20:.1f} MiB for a {CAP_BYTES >> 20} MiB cap"
+  assert seconds < 3.0  # two requests of ~1 MB each, not 2 x 400 MB
+
+
+def test_the_default_cap_and_a_reply_of_exactly_the_cap(serve):
+  assert JudgeConfig().max_reply_bytes == judge_lib.MAX_REPLY_BYTES == 4 << 20
+  with pytest.raises(ValueError, match="max_reply_bytes"):
+    JudgeConfig(max_reply_bytes=0)
+  server = serve("near_cap")  # CAP_BYTES of valid JSON: the cap itself is allowed
+  for cap, source in ((CAP_BYTES, "judge"), (CAP_BYTES - 1, "verifier")):
+    config = JudgeConfig(base_url=server.url, model="judge", timeout_s=5.0, max_retries=0,
+                         cache=False, max_reply_bytes=cap)
+    verdict = LLMJudge(config, fallback=Verifier()).judge_outcome(TASK, EPISODE, False)
+    assert verdict.source == source, cap
+
+
+def test_json_nested_too_deeply_is_a_parse_error(serve):
+  server = serve("deep")
+  config = JudgeConfig(base_url=server.url, model="judge", timeout_s=2.0, max_retries=1,
+                       backoff_s=0.05, backoff_max_s=0.1, cache=False,
+                       max_reply_bytes=CAP_BYTES)
+  judge = LLMJudge(config, fallback=Verifier())
+  verdict, seconds = _bounded(lambda: judge.judge_outcome(TASK, EPISODE, truncated=False), 4.0)
+  assert (verdict.source, verdict.failed_votes) == ("verifier", 1)
+  assert judge.metrics()["judge/parse_errors"] == 2 and seconds < 2.0
+
+
+def test_a_reply_just_under_the_cap_parses_in_bounded_time(serve):
+  # The slowest JSON we know (a list of floats) at the cap's size: the cap bounds the parse.
+  server = serve("near_cap")
+  config = JudgeConfig(base_url=server.url, model="judge", timeout_s=5.0, max_retries=0,
+                       cache=False, max_reply_bytes=CAP_BYTES)
+  judge = LLMJudge(config, fallback=Verifier())
+  verdict, seconds = _bounded(lambda: judge.judge_outcome(TASK, EPISODE, truncated=False), 5.0)
+  assert (verdict.source, verdict.label) == ("judge", "false")
+  assert seconds < 1.5
+
+
+def test_parsing_counts_inside_the_total(serve, monkeypatch):
+  # The reply arrives at once, but its parse takes 0.6 s of a 0.5 s total: the judge does
+  # not use a reply it had only after its deadline, starts no other request and falls back.
+  server = serve("answer")
+  original = judge_lib.parse_outcome_label
+
+  def slow_parse(text):
+    time.sleep(0.6)
+    return original(text)
+
+  monkeypatch.setattr(judge_lib, "parse_outcome_label", slow_parse)
+  config = JudgeConfig(base_url=server.url, model="judge", timeout_s=2.0, max_retries=3,
+                       backoff_s=0.05, backoff_max_s=0.1, total_timeout_s=0.5, cache=False)
+  judge = LLMJudge(config, fallback=Verifier())
+  verdict, seconds = _bounded(lambda: judge.judge_outcome(TASK, EPISODE, truncated=False), 1.1)
+  assert (verdict.source, verdict.failed_votes) == ("verifier", 1)
+  assert server.requests == 1 and seconds < 0.6 + 0.5 + SLACK_S
+  m = judge.metrics()
+  assert m["judge/deadline_hits"] == 1 and m["judge/failures"] == 1

@@ -19,6 +19,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
+from tests.isolation import ISOLATION
 from tree_rl.envs import LatencyFamily, make_family
 from tree_rl.envs.base import (DEFAULT_MAX_TOOL_OUTPUT_TOKENS, Outcome, Task, Tool,
                                ToolOutputCap, family_max_tool_output_tokens, render_tool_prompt,
@@ -181,7 +182,7 @@ def test_a_megabyte_reply_is_capped_alike_in_the_agent_loop_and_in_evaluation(ch
 
 def test_the_cap_is_a_family_option_and_small_replies_pass_unchanged(chat):
   assert make_family("toolworld").max_tool_output_tokens == DEFAULT_MAX_TOOL_OUTPUT_TOKENS
-  assert make_family("math", max_tool_output_tokens=64).max_tool_output_tokens == 64
+  assert make_family("math", max_tool_output_tokens=64, sandbox=ISOLATION).max_tool_output_tokens == 64
   slow = make_family("toolworld", tool_latency_s=0.01, max_tool_output_tokens=100)
   assert isinstance(slow, LatencyFamily) and family_max_tool_output_tokens(slow) == 100
   for bad in (0, 31, "512", True, 64.0, None):

@@ -367,6 +367,7 @@ def test_api_key_header(server_factory, monkeypatch):
     ({"votes": 0}, "votes"),
     ({"backoff_s": 2.0, "backoff_max_s": 1.0}, "backoff_max_s"),
     ({"truncated_label": "maybe"}, "truncated_label"),
+    ({"max_reply_bytes": 0}, "max_reply_bytes"),
 ])
 def test_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -383,3 +384,26 @@ def test_parsers():
       p(bad)
   with pytest.raises(ValueError):
     judge_lib.parse_reasoning_tiers('{"reasoning_path": "Tier I"}')
+
+
+
+def test_parsers_skip_objects_nested_too_deeply_or_with_huge_numbers():
+  # json.loads raises RecursionError (not a ValueError) on "[[[...": it must not escape.
+  deep = '{"a": ' + "[" * 100_000 + "1" + "]" * 100_000 + ', "label": "true"}'
+  assert judge_lib.parse_outcome_label(deep) == "true"  # from the prose fallback
+  huge = '{"n": ' + "9" * 5000 + '} {"label": "false"}'  # int over Python's 4300 digits
+  assert judge_lib.parse_outcome_label(huge) == "false"
+  with pytest.raises(ValueError):
+    judge_lib.parse_reasoning_tiers('{"reasoning_path": ' + "[" * 100_000 + "}")
+
+
+def test_a_cache_line_nested_too_deeply_is_skipped(server_factory, tmp_path):
+  server = server_factory([label("true")])
+  path = tmp_path / "cache.jsonl"
+  judge = make_judge(server.url, cache_path=str(path))
+  judge.judge_outcome(TASK, GOOD, truncated=False)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write("[" * 100_000 + "\n" + '{"key": ' + "1" * 5000 + "}\n")
+  again = make_judge(server.url, cache_path=str(path))
+  assert again.judge_outcome(TASK, GOOD, truncated=False).source == "cache"
+  assert server.num_requests == 1

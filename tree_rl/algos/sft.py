@@ -3,6 +3,10 @@
 The loss is the mean negative log-likelihood of the policy tokens of the packed
 trees (`loss_mask`): prompt and env tokens (tool replies, template glue) are
 context only, exactly as in the RL loss.
+
+A step whose loss, gradient norm or new parameters are not finite (an update that made a
+weight NaN or inf) is skipped, as the RL update step skips one: the state before it is kept
+and `sft/skipped` is 1 (the SFT loop warns and counts them, `phases.sft_warm_start`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from tree_rl.algos.ppo import TrainState
+from tree_rl.algos.ppo import TrainState, _global_norm
 from tree_rl.models.attention import OVERFLOW_METRIC, TreeMask, attention_overflow
 from tree_rl.models.logprobs import tree_logprobs
 from tree_rl.tree import derived
@@ -19,7 +23,11 @@ from tree_rl.tree.batch import TreeBatch
 
 
 def make_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 512):
-  """`sft_step(state, batch) -> (state, metrics)`; jit it with the state donated."""
+  """`sft_step(state, batch) -> (state, metrics)`; jit it with the state donated.
+
+  A step with a non-finite loss, gradient norm or new parameter returns the state it was
+  given (parameters and optimizer state) with metrics["sft/skipped"] = 1.
+  """
 
   def sft_step(state: TrainState, batch: TreeBatch):
     mask = batch.loss_mask.astype(jnp.float32)
@@ -32,11 +40,17 @@ def make_sft_step(optimizer: optax.GradientTransformation, logprob_chunk: int = 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"sft/loss": loss, "sft/l2_grads": optax.global_norm(grads),
-               "sft/tokens": mask.sum()}
+               "sft/l2_params": _global_norm(params), "sft/tokens": mask.sum()}
     # Blockwise attention's backstop, read by the host after the step (raise_on_overflow).
     tree = TreeMask(batch.node_of_token, derived.structure(batch).ancestor)
     metrics[OVERFLOW_METRIC] = attention_overflow(tree, state.model(params).attention_config)
-    return state.replace(params=params, opt_state=opt_state), metrics
+    # Non-finite: the step is skipped whole, the state before it kept.
+    finite = (jnp.isfinite(loss) & jnp.isfinite(metrics["sft/l2_grads"])
+              & jnp.isfinite(metrics["sft/l2_params"]))
+    metrics["sft/skipped"] = (~finite).astype(jnp.float32)
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return state.replace(params=jax.tree.map(keep, params, state.params),
+                         opt_state=jax.tree.map(keep, opt_state, state.opt_state)), metrics
 
   return sft_step
 

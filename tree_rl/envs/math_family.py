@@ -34,18 +34,19 @@ import reasoning_gym
 from tree_rl.envs.base import Message, Outcome, Task, Tool, render_tool_output, render_tool_prompt
 from tree_rl.envs.calculator import evaluate_to_text
 from tree_rl.envs.parsing import format_tool_call
-from tree_rl.envs.sandbox import SandboxLimits, run_python
+from tree_rl.envs.sandbox import SandboxLimits, check_isolation, run_python
 
 # ---------------------------------------------------------------------------
 # Tools
 # ---------------------------------------------------------------------------
 
 
-def make_tools(limits: SandboxLimits = SandboxLimits()) -> list[Tool]:
-  """The family's tools: `calculator` and `python` (run in the sandbox with `limits`)."""
+def make_tools(limits: SandboxLimits = SandboxLimits(), isolation: str = "bwrap") -> list[Tool]:
+  """The family's tools: `calculator` and `python` (run in the sandbox with `limits`, under
+  `isolation`: see `tree_rl.envs.sandbox`)."""
 
   def python(code: str) -> str:
-    result = run_python(code, limits)
+    result = run_python(code, limits, isolation)
     if not result.ok:
       message = result.error or "the code failed"
       if result.stdout:
@@ -229,7 +230,7 @@ class MathFamily:
   def __init__(self, datasets: Sequence[str] = DEFAULT_DATASETS,
                dataset_configs: Mapping[str, Mapping[str, Any]] | None = None,
                max_turns: int = 4, eval_pool_size: int = 500,
-               sandbox_limits: SandboxLimits = SandboxLimits()):
+               sandbox_limits: SandboxLimits = SandboxLimits(), sandbox: str = "bwrap"):
     """Args:
       datasets: reasoning-gym dataset names; tasks cycle through them in order.
       dataset_configs: per-dataset keyword arguments of `create_dataset`
@@ -237,7 +238,12 @@ class MathFamily:
       max_turns: assistant steps per episode.
       eval_pool_size: entries per dataset in the eval pool (see the module doc).
       sandbox_limits: the limits of the `python` tool.
+      sandbox: the `python` tool's isolation (`task.kwargs.sandbox`): "bwrap", a kernel
+        boundary (refused at once where bubblewrap cannot run), or "audit", the audit hook
+        alone, which is no boundary and must be asked for (see `tree_rl.envs.sandbox`).
     """
+    check_isolation(sandbox)
+    self.sandbox = sandbox
     if not datasets:
       raise ValueError("at least one dataset is needed")
     if eval_pool_size < 1:
@@ -251,7 +257,7 @@ class MathFamily:
     json.dumps(self.dataset_configs)  # stored in Task.metadata and keys the scorer cache
     self.max_turns = max_turns
     self.eval_pool_size = eval_pool_size
-    self._tools = {t.name: t for t in make_tools(sandbox_limits)}
+    self._tools = {t.name: t for t in make_tools(sandbox_limits, sandbox)}
     self._system = render_tool_prompt(list(self._tools.values()), preamble=PREAMBLE,
                                       finish=FINISH)
     self._eval_pools: dict[int, dict[str, list[tuple[int, dict[str, Any]]]]] = {}

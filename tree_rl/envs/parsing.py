@@ -26,7 +26,8 @@ Conventions (the rubric depends on them, see `tree_rl/rewards/formatting.py`):
     block that is not closed (the final one cut by the token limit, or one
     followed by another opening tag) counts and fails with ToolError.PARSE.
   - a block's content, stripped and with an optional ```json fence removed, is
-    strict JSON (NaN and Infinity are rejected): an object is one call, a list
+    strict JSON (NaN and Infinity are rejected, and so is nesting deeper than
+    MAX_JSON_DEPTH, a PARSE error too): an object is one call, a list
     is several calls (PORTool's "calls that can be executed simultaneously"),
     an empty list is zero calls, anything else is one malformed call.
   - a call must be an object with a string "name" and an object "arguments"; a
@@ -49,6 +50,12 @@ ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 # cutting a block out never creates a new one, and words on either side stay apart.
 _GAP = "\n"
 MAX_NAME_CHARS = 256  # a tool name longer than this is cut (it names no tool anyway)
+# Deepest JSON nesting a block may hold (a list of calls, each call, its arguments and their
+# values count one level each). JSON's own limit is the recursion limit (~1,000), and every
+# recursive walk of the arguments after parsing (`_valid` here, schema checks, rewards) takes
+# one or more frames per level, so a value ~500 deep parsed but then failed each of them with
+# RecursionError. Real arguments are a few levels deep.
+MAX_JSON_DEPTH = 100
 
 
 def valid_text(text: str) -> str:
@@ -94,6 +101,20 @@ def _strip_fence(content: str) -> str:
       content = content[:-3]
     content = content.strip()
   return content
+
+
+def _too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+  """Whether a parsed JSON value nests lists and objects more than `limit` levels deep
+  (iterative: it must not recurse on the very values it guards against)."""
+  stack = [(value, 1)]
+  while stack:
+    item, depth = stack.pop()
+    if isinstance(item, (list, dict)):
+      if depth > limit:
+        return True
+      stack.extend((child, depth + 1) for child in
+                   (item.values() if isinstance(item, dict) else item))
+  return False
 
 
 def _reject_constant(name: str) -> Any:
@@ -168,11 +189,14 @@ def _parse_block(block: str, closed: bool) -> tuple[bool, list[ToolCall]]:
     except ValueError as e:  # a rejected constant, or an integer with too many digits
       message = str(e)
     else:
-      if isinstance(value, list):
+      if _too_deep(value):  # parsed, but too deep for what reads it next
+        message = f"the JSON is nested more than {MAX_JSON_DEPTH} levels deep"
+      elif isinstance(value, list):
         calls = [_check_call(v, _safe_dumps(v, block), f"list element {i}: ")
                  for i, v in enumerate(value)]
         return True, calls
-      return True, [_check_call(value, block, "")]
+      else:
+        return True, [_check_call(value, block, "")]
   return False, [ToolCall(name=None, arguments=None, raw=block, error=ToolError.PARSE,
                           error_message=f"invalid JSON in the {CALL_OPEN} block: {message}")]
 

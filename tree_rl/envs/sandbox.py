@@ -3,7 +3,26 @@
 The `python` tool of the math family (and any family that lets the policy run
 code) calls `run_python`. The code runs in a fresh interpreter (`python -I -B`,
 a clean environment, its own session) whose working directory is a private
-temporary directory, deleted afterwards. Three layers keep it in bounds:
+temporary directory, deleted afterwards.
+
+Two isolations (`isolation=`, `task.kwargs.sandbox` in a config):
+
+  - "bwrap" (the default): the interpreter runs under bubblewrap, a kernel
+    boundary. It gets new user, PID, network, IPC, UTS and mount namespaces; a
+    read-only root holding only /usr (with the /bin, /lib, /sbin links), the
+    Python installation (`sys.prefix` and `sys.base_prefix`), /dev/null,
+    /dev/zero, /dev/random, /dev/urandom and its own /proc; the private
+    directory as the only writable place; an empty environment apart from what
+    the tool sets; uid 65534 with every capability dropped (so no `mknod`, no
+    inode flags, no raising limits); `--die-with-parent` and a new session. It
+    cannot see the caller's files, environment or processes, has no network
+    (only its own empty loopback), and everything it starts dies with it.
+  - "audit": no kernel boundary, only the in-process audit hook below. Use it
+    only where bubblewrap cannot run (`bwrap_problem()` says why); a config must
+    ask for it explicitly, and the trainer then warns at start-up and records
+    `sandbox/kernel_enforced` = 0 in every metric row.
+
+Under both, three layers keep the code in bounds:
 
   - Kernel limits, set by the child before the user code starts: CPU time
     (SIGXCPU, then SIGKILL one second later), address space (so allocation
@@ -11,7 +30,9 @@ temporary directory, deleted afterwards. Three layers keep it in bounds:
     it fails with EFBIG; stdout and stderr go to files, so this bounds them
     too), open files, processes (0: for a non-root user not even threads) and
     no core dumps. The parent kills the whole process group at the wall-clock
-    limit; output never goes through a pipe, so it cannot block the parent.
+    limit (under bubblewrap, killing it tears down the PID namespace and every
+    process in it); output never goes through a pipe, so it cannot block the
+    parent.
   - The parent measures the private directory while the code runs (every 5 to 50 ms)
     and kills the process group when it holds more than `max_disk_mb` or
     `max_files`: RLIMIT_FSIZE bounds one file, not how many are written.
@@ -21,26 +42,23 @@ temporary directory, deleted afterwards. Three layers keep it in bounds:
     (importing it is allowed: numpy and sympy need it), raising the limits,
     reading files outside the private directory and the Python installation's
     import paths, opening directories or writing anywhere outside the private
-    directory, and changing directory. We may run as root, where RLIMIT_NPROC
-    is not enforced, so the hook is what stops fork bombs. Calls that reach
-    other processes without raising an audit event (`os.pidfd_open` with
-    `signal.pidfd_send_signal`, which could kill the parent, and the
-    `setpriority`/`sched_*` calls) are replaced by stubs that raise.
+    directory, and changing directory. Calls that reach other processes without
+    raising an audit event (`os.pidfd_open` with `signal.pidfd_send_signal`,
+    and the `setpriority`/`sched_*` calls) are replaced by stubs that raise.
 
-Python code cannot remove an audit hook, and the hook keeps every function it
-calls in closure cells (so monkeypatching `os` or `builtins` cannot blind it)
-and denies `gc` walks that could reach those cells. This is sound enough for a
-policy model's code, which is not trying to escape. It is NOT a security
-boundary against an adversarial human: unaudited C-level paths exist (an
-`os.stat` probe of any path, out-of-bounds ctypes pointer indexing, a crafted
-extension module), and no network or file rule is kernel-enforced (no
-namespace, seccomp or separate user), so run untrusted human code in a
-container or VM instead. `tests/faults/sandbox_test.py` checks each escape.
+The audit hook is NOT a security boundary: code can reach the hook's own state
+from a traceback and switch its rules off, get fresh unaudited `posix` and
+`_signal` modules from `_imp.create_builtin`, race a symbolic link between the
+hook's check and the open, make device nodes with `mknod` or set inode flags
+with `ioctl` as root. Under "bwrap" it is a second line that gives clear error
+messages for honest mistakes; the boundary is the kernel's.
+`tests/faults/sandbox_test.py` tries each escape against both.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -325,6 +343,94 @@ class SandboxResult:
   seconds: float
 
 
+ISOLATIONS = ("bwrap", "audit")
+
+# The sandbox's user: `nobody`, mapped to the caller's uid by the user namespace.
+_SANDBOX_UID = 65534
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/random", "/dev/urandom")
+
+
+def _python_roots() -> list[str]:
+  """The Python installation's folders, bound read-only into the sandbox (numpy, sympy
+  and the standard library are imported from there). /usr is bound anyway."""
+  roots = {os.path.realpath(p) for p in
+           (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+  roots.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+  # A root inside another is bound with it; /usr is bound on its own.
+  return sorted(r for r in roots if not any(r.startswith(o + "/") for o in roots | {"/usr"}))
+
+
+def _bwrap_command(bwrap: str, work: str, ro_files: list[str], rw_files: list[str],
+                   env: dict[str, str]) -> list[str]:
+  """bubblewrap's arguments: namespaces, the read-only root, the private folder."""
+  args = [bwrap, "--unshare-user", "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
+          "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+          "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+          "--hostname", "sandbox", "--clearenv"]
+  for key, value in env.items():
+    args += ["--setenv", key, value]
+  args += ["--ro-bind", "/usr", "/usr"]
+  for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+    if os.path.islink(top):  # merged /usr: /lib -> usr/lib
+      args += ["--symlink", os.readlink(top), top]
+    elif os.path.isdir(top):
+      args += ["--ro-bind", top, top]
+  args += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+  for root in _python_roots():
+    args += ["--ro-bind", root, root]
+  for device in _DEVICES:
+    args += ["--dev-bind-try", device, device]
+  args += ["--proc", "/proc"]  # the new PID namespace's: the caller's processes are not in it
+  for path in ro_files:
+    args += ["--ro-bind", path, path]
+  for path in rw_files:
+    args += ["--bind", path, path]
+  # The private folder keeps its host path, so messages and tests name one path.
+  args += ["--bind", work, work, "--chdir", work, "--remount-ro", "/"]
+  return args
+
+
+@functools.lru_cache(maxsize=None)
+def bwrap_problem() -> str | None:
+  """Why the "bwrap" isolation cannot run here, or None when it can.
+
+  Runs the sandbox's own bubblewrap command once (cached) with `python -c pass`, so a
+  missing binary, disabled user namespaces (some container runtimes and distributions
+  refuse them) or an unbindable Python installation are found before any model code.
+  """
+  bwrap = shutil.which("bwrap")
+  if bwrap is None:
+    return "the bwrap (bubblewrap) executable is not on PATH"
+  work = tempfile.mkdtemp(prefix="tree_rl_sandbox_probe_")
+  try:
+    command = _bwrap_command(bwrap, work, [], [], {"PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(command + [sys.executable, "-I", "-B", "-c", "pass"],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin"})
+  except (OSError, subprocess.TimeoutExpired) as e:
+    return f"running {bwrap} failed: {e}"
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  if proc.returncode != 0:
+    why = proc.stderr.decode("utf-8", "replace").strip()[-500:] or f"exit {proc.returncode}"
+    return f"{bwrap} cannot start the sandbox: {why}"
+  return None
+
+
+def check_isolation(isolation: str, field: str = "task.kwargs.sandbox") -> None:
+  """Fails, naming `field` and the fix, unless `isolation` can run here."""
+  if isolation not in ISOLATIONS:
+    raise ValueError(f"{field}={isolation!r} is not an isolation; valid: {list(ISOLATIONS)}")
+  if isolation == "bwrap":
+    problem = bwrap_problem()
+    if problem is not None:
+      raise ValueError(
+          f"{field}='bwrap' runs model-written code under bubblewrap, but {problem}. "
+          f"Install it (Debian and Ubuntu: apt-get install bubblewrap) and allow user "
+          f"namespaces, or set {field}=audit to accept the in-process audit hook alone, "
+          f"which is not a security boundary (see tree_rl/envs/sandbox.py)")
+
+
 def _read_output(path: str, max_chars: int) -> tuple[str, int]:
   """(text cut to `max_chars` with a marker, size in bytes) of one output file."""
   size = os.path.getsize(path)
@@ -418,7 +524,8 @@ def _error(limits: SandboxLimits, returncode: int | None, timed_out: bool,
   return None
 
 
-def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
+               isolation: str = "bwrap") -> SandboxResult:
   """Runs `code` as a script in the sandbox and waits for it.
 
   Safe to call from several threads at once (no `preexec_fn`: the child sets
@@ -427,10 +534,16 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
   Args:
     code: Python source, run as `__main__`; tracebacks name it "main.py".
     limits: the resource limits.
+    isolation: "bwrap" (a kernel boundary, see the module doc) or "audit" (the audit
+      hook alone, no boundary).
 
   Returns:
     The run's result. It never raises for anything the code does.
+
+  Raises:
+    ValueError: `isolation` is unknown, or "bwrap" cannot run here (`bwrap_problem`).
   """
+  check_isolation(isolation, "isolation")
   start = time.monotonic()
   base = tempfile.mkdtemp(prefix="tree_rl_sandbox_")
   try:
@@ -443,12 +556,20 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
       json.dump(config, f)
     with open(paths["boot.py"], "w", encoding="utf-8") as f:
       f.write(_BOOTSTRAP)
+    open(paths["status"], "wb").close()  # bound into the sandbox, so it must exist
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work,
            "TMPDIR": work, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
+    command = [sys.executable, "-I", "-B", paths["boot.py"], paths["config.json"]]
+    if isolation == "bwrap":
+      # The sandbox's uid owns nothing on the host: its folder must be its own.
+      os.chmod(work, 0o777)
+      os.chmod(paths["status"], 0o666)
+      command = _bwrap_command(shutil.which("bwrap") or "bwrap", work,
+                               [paths["boot.py"], paths["config.json"]], [paths["status"]],
+                               env) + command
     timed_out = over_disk = False
     with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
-      command = [sys.executable, "-I", "-B", paths["boot.py"], paths["config.json"]]
       proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
                               stderr=err, start_new_session=True, close_fds=True)
       try:
@@ -456,23 +577,30 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxRes
       finally:
         if proc.returncode is None:  # timed out, over the disk budget, or interrupted
           try:
-            os.killpg(proc.pid, signal.SIGKILL)  # its session: the child and anything it made
+            # Its session: the child and anything it made; under bubblewrap, killing it
+            # kills the PID namespace (--die-with-parent) and so every process in it.
+            os.killpg(proc.pid, signal.SIGKILL)
           except ProcessLookupError:
             pass
           proc.wait()
     stdout, out_bytes = _read_output(paths["stdout"], limits.max_output_chars)
     stderr, err_bytes = _read_output(paths["stderr"], limits.max_output_chars)
     try:
-      with open(paths["status"], encoding="utf-8") as f:
+      with open(paths["status"], encoding="utf-8", errors="replace") as f:
         status = json.loads(f.read(10_000) or "{}")
       status = status if isinstance(status, dict) else {}
     except (OSError, ValueError):
       status = {}
-    error = _error(limits, proc.returncode, timed_out, status, max(out_bytes, err_bytes),
+    returncode = proc.returncode
+    if isolation == "bwrap" and not status and returncode is not None and returncode > 128:
+      # bubblewrap exits with 128 + N when its child dies of signal N; the bootstrap
+      # writes its status on every exit it sees, so an empty one means a signal.
+      returncode = 128 - returncode
+    error = _error(limits, returncode, timed_out, status, max(out_bytes, err_bytes),
                    over_disk)
-    ok = not timed_out and not over_disk and proc.returncode == 0 and error is None
+    ok = not timed_out and not over_disk and returncode == 0 and error is None
     return SandboxResult(ok=ok, stdout=stdout, stderr=stderr, error=error,
-                         returncode=proc.returncode, seconds=time.monotonic() - start)
+                         returncode=returncode, seconds=time.monotonic() - start)
   finally:
     _remove_tree(base)
 

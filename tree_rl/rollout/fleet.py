@@ -19,6 +19,9 @@ Two backends behind one interface (`make_fleet`):
 
   local: the workers live in this process and run one after the other.
   ray:   each worker is a Ray actor with `num_cpus`/`num_gpus` of Ray resources. A
+         fleet is placed or refused: one the cluster's nodes cannot hold fails before any
+         actor starts, naming the numbers (`check_ray_resources`), and a worker not
+         running `timeout_s` after its start fails the start (never a silent wait). A
          policy version is published once (`ray.put` of its weights) and every actor
          loads it from the object store; each reports the version it holds. A worker
          that dies, or does not answer within `timeout_s`, is killed and started again
@@ -409,6 +412,61 @@ class LocalFleet(Fleet):
       w.close()
 
 
+def _amount(x: float, unit: str) -> str:
+  """`x` of a Ray resource, e.g. "3 CPUs", "0.5 GPU"."""
+  return f"{x:g} {unit}{'' if x == 1 or 0 < x < 1 else 's'}"
+
+
+def ray_nodes() -> list[dict[str, float]]:
+  """The resources (CPU, GPU, ...) of every live node of the Ray cluster this process is in."""
+  import ray  # noqa: PLC0415
+
+  return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_ray_resources(num_workers: int, num_cpus: float, num_gpus: float,
+                        nodes: Sequence[Mapping[str, float]]) -> None:
+  """Fails, naming the numbers and the settings to change, where the Ray cluster's nodes
+  cannot place `num_workers` actors of `num_cpus` CPUs and `num_gpus` GPUs each.
+
+  An actor takes its resources from one node, so a node of C CPUs and G GPUs holds
+  min(C // num_cpus, G // num_gpus) workers; the fleet fits when the nodes together hold
+  `num_workers`. This counts the nodes' whole resources (what the cluster has now: an
+  autoscaling cluster must have scaled up first); resources other actors hold at the moment
+  make the workers wait, which `RayFleet`'s start timeout bounds.
+  """
+  if num_cpus <= 0 and num_gpus <= 0:  # a worker asking for nothing fits anywhere
+    return
+
+  def fits(node: Mapping[str, float]) -> int:
+    out = num_workers
+    for want, have in ((num_cpus, node.get("CPU", 0.0)), (num_gpus, node.get("GPU", 0.0))):
+      if want > 0:  # Ray counts resources in steps of 1e-4
+        out = min(out, int(float(have) / want + 1e-6))
+    return out
+
+  placed = sum(fits(n) for n in nodes)
+  if placed >= num_workers:
+    return
+  cpus = sum((float(n.get("CPU", 0.0)) for n in nodes), 0.0)
+  gpus = sum((float(n.get("GPU", 0.0)) for n in nodes), 0.0)
+  per_node = "; ".join(f"{_amount(float(n.get('CPU', 0.0)), 'CPU')}, "
+                       f"{_amount(float(n.get('GPU', 0.0)), 'GPU')}" for n in nodes[:8])
+  more = f"; ... ({len(nodes)} nodes)" if len(nodes) > 8 else ""
+  fix = (f"set config.rollout.num_workers to at most {placed}, " if placed else "") + (
+      "lower config.rollout.worker_num_cpus / config.rollout.worker_num_gpus, or add nodes to "
+      "the Ray cluster ($RAY_ADDRESS)")
+  raise RuntimeError(
+      f"the Ray cluster cannot place the rollout fleet: config.rollout.num_workers="
+      f"{num_workers} worker(s) x (config.rollout.worker_num_cpus={num_cpus:g} CPU, "
+      f"config.rollout.worker_num_gpus={num_gpus:g} GPU each) ask for "
+      f"{_amount(num_workers * num_cpus, 'CPU')} and {_amount(num_workers * num_gpus, 'GPU')} "
+      f"in all, "
+      f"but the cluster has {_amount(cpus, 'CPU')} and {_amount(gpus, 'GPU')} on "
+      f"{len(nodes)} node(s) ({per_node or 'none'}{more}), which hold {placed} such "
+      f"worker(s); {fix}")
+
+
 class RayFleet(Fleet):
   """Each worker a Ray actor (`Worker` with `num_cpus`/`num_gpus`); ray must be initialised.
 
@@ -417,8 +475,14 @@ class RayFleet(Fleet):
     num_workers: actors.
     num_cpus, num_gpus: Ray resources per actor.
     timeout_s: a chunk not back within this many seconds counts as lost: its actor is
-      restarted and the chunk sent again.
+      restarted and the chunk sent again. Also the bound on a worker's start (placed by
+      Ray and its engine built): one not running by then fails the fleet's start.
     max_resends: resends of one chunk in one call before the step fails.
+
+  Raises:
+    RuntimeError: the cluster's nodes cannot hold `num_workers` actors of these resources
+      (before any starts, `check_ray_resources`), or a worker is not running `timeout_s`
+      after its start, or failed to start.
   """
 
   def __init__(self, spec: WorkerSpec, model: nnx.Module, num_workers: int, *,
@@ -429,15 +493,80 @@ class RayFleet(Fleet):
     super().__init__(spec.strategy, num_workers)
     if not ray.is_initialized():
       raise RuntimeError("RayFleet needs ray.init() first (the trainer calls it)")
+    # Placed or refused: a worker Ray cannot place would wait forever, unannounced.
+    check_ray_resources(num_workers, num_cpus, num_gpus, ray_nodes())
     self._ray, self.timeout_s, self.max_resends = ray, timeout_s, max_resends
+    self.num_cpus, self.num_gpus = num_cpus, num_gpus
     self._actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(Worker)
     self._spec = ray.put(spec)
     self._model = ray.put(jax.device_get(model))
     self._weights = None  # the latest published version's object ref
     self.owns_ray = False  # close() shuts Ray down (run_fleet started it)
-    self.actors = [self._start() for _ in range(num_workers)]
-    self.versions()  # wait until every actor has built its engine
-    self._started(ray.get([a.info.remote() for a in self.actors], timeout=timeout_s))
+    self.actors = []
+    self._running: set[int] = set()  # workers that answered at start-up
+    try:
+      self._warn_if_busy()
+      self.actors = [self._start() for _ in range(num_workers)]
+      self._wait_started()  # every actor placed and its engine built, within timeout_s
+      self._started(ray.get([a.info.remote() for a in self.actors], timeout=timeout_s))
+    except BaseException:
+      self._kill_all()
+      raise
+
+  def _warn_if_busy(self) -> None:
+    """Logs when the cluster's free resources cannot hold every worker now: they wait
+    (up to timeout_s) for other actors to release theirs."""
+    free = self._ray.available_resources()
+    n = self.num_workers
+    short = [(f"{_amount(n * want, unit)}", f"{_amount(float(free.get(key, 0.0)), unit)}")
+             for want, key, unit in ((self.num_cpus, "CPU", "CPU"), (self.num_gpus, "GPU", "GPU"))
+             if want > 0 and n * want > float(free.get(key, 0.0)) + 1e-6]
+    if short:
+      logging.warning("the rollout fleet asks for %s but the Ray cluster has %s free now (other "
+                      "actors hold the rest): its workers wait for them, failing after "
+                      "config.rollout.worker_timeout_s=%gs", " and ".join(s for s, _ in short),
+                      " and ".join(f for _, f in short), self.timeout_s)
+
+  def _wait_started(self) -> None:
+    """Waits, at most `timeout_s`, for every actor to answer (placed and its engine built);
+    fails naming the workers that are not running, or the error one of them died of."""
+    ray = self._ray
+    refs = {a.held_version.remote(): i for i, a in enumerate(self.actors)}
+    ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.timeout_s)
+    for ref in ready:
+      i = refs[ref]
+      try:
+        self.held[i] = ray.get(ref)
+        self._running.add(i)
+      except ray.exceptions.RayError as e:
+        raise RuntimeError(f"rollout worker {i} of {self.num_workers} failed to start (building "
+                           f"its engine): {e}") from e
+    if late:
+      free = ray.available_resources()
+      raise RuntimeError(
+          f"rollout worker(s) {sorted(refs[r] for r in late)} of {self.num_workers} not running "
+          f"{self.timeout_s:g}s after their start (config.rollout.worker_timeout_s): Ray has not "
+          f"placed them, or their engine takes longer to build. Each asks for "
+          f"{_amount(self.num_cpus, 'CPU')} and {_amount(self.num_gpus, 'GPU')} "
+          f"(config.rollout.worker_num_cpus / worker_num_gpus); the cluster has "
+          f"{_amount(float(free.get('CPU', 0.0)), 'CPU')} and "
+          f"{_amount(float(free.get('GPU', 0.0)), 'GPU')} free now. Free the cluster's resources "
+          f"held by other actors, lower config.rollout.num_workers or the per-worker resources, "
+          f"or raise config.rollout.worker_timeout_s")
+
+  def _kill_all(self) -> None:
+    """After a failed start: stops the engines of the workers that are running (a vLLM
+    worker's process), then kills every actor (placed or not)."""
+    try:
+      self._ray.get([self.actors[i].close.remote() for i in sorted(self._running)], timeout=60)
+    except Exception:  # noqa: BLE001  dead or silent: killed below all the same
+      pass
+    for a in self.actors:
+      try:
+        self._ray.kill(a, no_restart=True)
+      except Exception:  # noqa: BLE001  already gone
+        pass
+    self.actors = []
 
   def _start(self):
     return self._actor_cls.remote(self._spec, self._model, self._weights, self.version)

@@ -121,15 +121,24 @@ def _yes_no_ok(truth: Mapping[str, Any], text: str) -> bool:
   return bool(words) and words[0] == truth["value"]
 
 
+def _month(name: str) -> int | None:
+  """The number of a month name the patterns matched. Unicode case-insensitive matching
+  also takes letters whose lower case is not ASCII (the long s in "ſeptember", a dotless or
+  dotted i), which casefold maps back where it can; None for the others."""
+  return _MONTH.get(name.lower(), _MONTH.get(name.casefold()))
+
+
 def dates_in(text: str) -> list[tuple[int | None, int, int]]:
   """(year or None, month, day) of each date written in the answer."""
   found: list[tuple[int | None, int, int]] = []
   for y, mo, d in _ISO_DATE.findall(text):
     found.append((int(y), int(mo), int(d)))
   for mo, d, y in _MONTH_DAY.findall(text):
-    found.append((int(y) if y else None, _MONTH[mo.lower()], int(d)))
+    if _month(mo) is not None:
+      found.append((int(y) if y else None, _month(mo), int(d)))
   for d, mo, y in _DAY_MONTH.findall(text):
-    found.append((int(y) if y else None, _MONTH[mo.lower()], int(d)))
+    if _month(mo) is not None:
+      found.append((int(y) if y else None, _month(mo), int(d)))
   return found
 
 
