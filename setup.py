@@ -18,6 +18,8 @@ CORE = [
     "safetensors>=0.4,<1",
     "tokenizers>=0.21,<1",
     "transformers>=4.50,<6",
+    # config.model.hf_folder may name a Hugging Face hub model (fetched into its cache).
+    "huggingface_hub>=0.30,<3",
     # transformers renders chat templates (apply_chat_template) with jinja2 but
     # does not depend on it; without it the main job fails at start-up.
     "jinja2>=3.1,<4",

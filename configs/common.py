@@ -39,7 +39,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.model = dict(name="smollm2", hf_folder="", lora_rank=8, lora_alpha=16.0,
                  lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), dtype="float32",
                  remat=True, attention="blockwise", attention_block=64, tiny_overrides={})
-  c.task = dict(family="toolworld", kwargs={}, num_train_tasks=256, num_eval_tasks=32, seed=0)
+  c.task = dict(family="toolworld", kwargs={}, num_train_tasks=256, num_eval_tasks=32, seed=0,
+                eval_seed=-1)
   c.rollout = dict(engine="jax", strategy="flat", strategy_kwargs={}, samples_per_task=4,
                    max_turns=0, max_new_tokens=160, temperature=1.0, top_p=1.0, top_k=0,
                    max_context_tokens=4096, cache_rows=16, vllm_python="",

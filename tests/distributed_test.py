@@ -152,13 +152,13 @@ def test_train_after_the_backend_started_alone_fails_clearly(tmp_path, monkeypat
 
 
 def test_only_the_primary_process_writes_metrics(tmp_path):
-  quiet = metrics.MetricWriter(tmp_path / "other", total_steps=2, primary=False)
+  quiet = metrics.MetricWriter(tmp_path / "other", primary=False)
   quiet.write(1, {"loss": 0.5})
-  quiet.progress(1, 1, "x")
+  metrics.Progress("RL", 2, "steps", primary=False).update(1, "x")
   quiet.close()
   assert quiet.history == [{"step": 1, "phase": "rl", "loss": 0.5}]
   assert not (tmp_path / "other").exists()
-  main = metrics.MetricWriter(tmp_path / "main", total_steps=2)
+  main = metrics.MetricWriter(tmp_path / "main")
   main.write(1, {"loss": 0.5})
   main.close()
   assert json.loads((tmp_path / "main" / "metrics.jsonl").read_text()) == {

@@ -48,6 +48,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging as std_logging
 import os
 import pathlib
 import shutil
@@ -68,6 +69,20 @@ from tree_rl.policy import build_run_policy, make_optimizer
 def _leaf_dict(tree: Any) -> dict[str, Any]:
   return {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(tree))}
 
+
+class _NoPreviousSaveWait(std_logging.Filter):
+  """Drops Orbax's "Waiting for previous save to complete took N seconds" warning.
+
+  `RunCheckpointer.save` waits for each save itself (its digests need the finished files),
+  and Orbax adds that wait to the next save's "wait for the previous one", then warns that
+  checkpointing is too frequent. Nothing waited on a previous save: the warning is noise.
+  """
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Waiting for previous save to complete")
+
+
+std_logging.getLogger("absl").addFilter(_NoPreviousSaveWait())  # where Orbax's absl logs go
 
 DIGESTS_FILE = "tree_rl_digests.json"  # inside each step's directory, beside Orbax's files
 DIGEST_FORMAT = "sha256-v1"

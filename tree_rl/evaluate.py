@@ -166,7 +166,8 @@ def compute_metrics(records: Sequence[EpisodeRecord], num_samples: int,
 def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_samples: int = 1,
              pass_k: Sequence[int] = (1,), judge: LLMJudge | None = None,
              max_turns: int | None = None, max_workers: int = 8,
-             encode: Callable[[str], Sequence[int]] | None = None) -> EvalReport:
+             encode: Callable[[str], Sequence[int]] | None = None,
+             progress: Callable[[int, int, int], None] | None = None) -> EvalReport:
   """Runs `num_samples` episodes per task and reports accuracy, tool steps, unanswerable
   rate, formatting, reward, pass@k and per-difficulty accuracy.
 
@@ -180,6 +181,7 @@ def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_sampl
     max_turns: None uses `family.max_turns`.
     max_workers: parallel tool execution and judging.
     encode: the policy's tokenizer, which tool replies are capped in (see `run_episodes`).
+    progress: called after each turn with (turns done, episodes finished, episodes).
 
   Returns:
     The report.
@@ -191,7 +193,8 @@ def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_sampl
   if len(set(ids)) != len(ids):
     raise ValueError("task ids must be unique within an evaluation")
   records = run_episodes(family, tasks, policy, num_samples=num_samples, max_turns=max_turns,
-                         judge=judge, max_workers=max_workers, encode=encode)
+                         judge=judge, max_workers=max_workers, encode=encode,
+                         progress=progress)
   metrics = compute_metrics(records, num_samples, pass_k)
   if judge is not None:
     metrics.update(judge.metrics())
@@ -283,7 +286,7 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     task = task or cfg.task.family
     family_kwargs = dict(cfg.task.kwargs) if task == cfg.task.family else {}
     num_tasks = num_tasks or cfg.task.num_eval_tasks
-    seed = cfg.task.seed if seed is None else seed
+    seed = cfg.task.eval_task_seed if seed is None else seed
     max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
     max_context_tokens = cfg.rollout.max_context_tokens
     max_turns = max_turns or cfg.rollout.max_turns or None

@@ -649,7 +649,7 @@ def sampled_eval(path: str | pathlib.Path, num_samples: int) -> dict[str, float]
   path = pathlib.Path(path)
   policy, tokenizer, cfg = restore_policy(path)
   family = make_family(cfg.task.family, **cfg.task.kwargs)
-  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
+  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
   chat = ChatFormat.from_tokenizer(tokenizer)
   r = cfg.rollout
   engine = JaxSampler(policy, rows=r.cache_rows, slots=r.max_context_tokens,

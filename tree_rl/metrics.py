@@ -23,7 +23,7 @@ class MetricWriter:
   metrics): nothing is written or printed; `history` is kept all the same.
   """
 
-  def __init__(self, workdir: str | pathlib.Path, total_steps: int, primary: bool = True):
+  def __init__(self, workdir: str | pathlib.Path, primary: bool = True):
     self.workdir, self.primary = pathlib.Path(workdir), primary
     self.jsonl = self.tb = None
     if primary:
@@ -31,7 +31,7 @@ class MetricWriter:
       self.jsonl = open(self.workdir / "metrics.jsonl", "a", encoding="utf-8")
       from tensorboardX import SummaryWriter  # imported late: slow, only the trainer needs it
       self.tb = SummaryWriter(str(self.workdir / "tensorboard"))
-    self.total, self.t0, self.history = total_steps, time.time(), []
+    self.history: list[dict] = []
 
   def keep_only(self, keep) -> int:
     """Rewrites metrics.jsonl with the rows for which `keep(row)` holds (atomically: a
@@ -77,20 +77,49 @@ class MetricWriter:
       self.jsonl.flush()
       self.tb.flush()
 
-  def progress(self, step: int, done: int, text: str) -> None:
-    """One console line with rate and ETA (`done` steps finished in this process)."""
-    if not self.primary:
-      return
-    elapsed = time.time() - self.t0
-    rate = done / elapsed if elapsed > 0 else 0.0
-    eta = (self.total - step) / rate if rate > 0 else float("nan")
-    print(f"[step {step}/{self.total}] {text} | {rate * 60:.2f} steps/min, ETA {eta:.0f}s",
-          file=sys.stderr, flush=True)
-
   def close(self) -> None:
     if self.primary:
       self.jsonl.close()
       self.tb.close()
+
+
+class Progress:
+  """Console progress of one phase: `done` of `total` units, with a rate and ETA measured
+  from this phase's own start (so the RL ETA does not count SFT and the evals).
+
+  `update` prints at most once every `every_s` seconds, and always for the first and the
+  last unit. Only the primary process prints.
+
+  Args:
+    phase: the name printed in brackets, e.g. "eval sft", "SFT", "RL".
+    total: units in the phase.
+    unit: what a unit is, e.g. "steps", "turns".
+    start: units already done when the phase (re)starts here (a resumed run).
+    primary: whether this process prints.
+    every_s: the least time between two lines.
+  """
+
+  def __init__(self, phase: str, total: int, unit: str, start: int = 0, primary: bool = True,
+               every_s: float = 0.0):
+    self.phase, self.total, self.unit, self.start = phase, total, unit, start
+    self.primary, self.every_s = primary, every_s
+    self.t0 = time.time()
+    self.last = -math.inf
+
+  def update(self, done: int, text: str = "") -> None:
+    now = time.time()
+    if not self.primary or (now - self.last < self.every_s and done not in
+                            (self.start + 1, self.total)):
+      return
+    self.last = now
+    elapsed = now - self.t0
+    rate = (done - self.start) / elapsed if elapsed > 0 else 0.0
+    eta = f"ETA {(self.total - done) / rate:.0f}s" if rate > 0 else "ETA ?"
+    if done >= self.total:
+      eta = f"done in {elapsed:.0f}s"
+    text = f" {text}" if text else ""
+    print(f"[{self.phase} {done}/{self.total} {self.unit}]{text} | {eta}", file=sys.stderr,
+          flush=True)
 
 
 class PhaseTimer:

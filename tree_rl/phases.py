@@ -28,7 +28,7 @@ from absl import logging
 from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.config_types import SFTSpec
-from tree_rl.metrics import MetricWriter
+from tree_rl.metrics import MetricWriter, Progress
 from tree_rl.rollout.agent_loop import AgentLoop
 from tree_rl.rollout.pipeline import RolloutInterrupted
 from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
@@ -119,6 +119,7 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     sft_state, _ = progress.restore(sft_state)
   n = spec.tasks_per_step
   order = order_by_system_prompt(list(train_tasks), n)
+  shown = Progress("SFT", spec.steps, "steps", start=done, primary=writer.primary)
   for i in range(done, spec.steps):
     if stop.set:  # a signal before this step (e.g. during the base eval)
       if progress.latest_step() != i:
@@ -140,6 +141,7 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
                       row.get("sft/l2_grads", float("nan")),
                       row.get("sft/l2_params", float("nan")), meta["sft_skipped"])
     writer.write(i, row, phase="sft")
+    shown.update(i + 1, f"loss {row.get('sft/loss', float('nan')):.4f}")
     meta["sft_step"] = i + 1
     if (i + 1) % spec.ckpt_every_steps == 0 or i + 1 == spec.steps or stop.set:
       progress.save(i + 1, sft_state, meta)

@@ -9,6 +9,7 @@ wrote it. This module imports neither the trainer nor the evaluator.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any
 
 import jax
@@ -17,6 +18,49 @@ from flax import nnx
 
 from tree_rl.config_types import ModelSpec, RunConfig
 from tree_rl.models import Decoder, LoRAConfig, ModelConfig
+
+
+# A hub id: "owner/name", optionally "@revision" (a branch, tag or commit).
+_HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# What tree_rl reads of a hub model: its config, weights and tokenizer.
+HUB_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja")
+
+
+def resolve_hf_folder(value: str, field: str = "config.model.hf_folder") -> pathlib.Path:
+  """The local HF folder `value` names: a folder on disk, or a Hugging Face hub id
+  ("owner/name" or "owner/name@revision") fetched with huggingface_hub into its cache
+  (`$HF_HOME`; with `HF_HUB_OFFLINE=1` only the cache is read). Only the config, weights
+  and tokenizer files are fetched; the folder is then loaded like any local one.
+
+  Raises:
+    FileNotFoundError: neither a folder with a config.json nor a hub model that could be
+      fetched (the message names `field`, and why the hub did not answer).
+  """
+  local = pathlib.Path(value).expanduser()
+  if local.is_dir() or value.startswith((".", "/", "~")) or not _HUB_ID.match(value):
+    if not (local / "config.json").is_file():
+      raise FileNotFoundError(f"{field}={value!r} holds no config.json (a local HF model "
+                              f"folder, or a hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct')")
+    return local
+  import huggingface_hub  # noqa: PLC0415  (only for a hub id)
+  from huggingface_hub import constants  # noqa: PLC0415
+
+  match = _HUB_ID.match(value)
+  try:
+    folder = pathlib.Path(huggingface_hub.snapshot_download(
+        repo_id=match["repo"], revision=match["revision"], allow_patterns=list(HUB_FILES)))
+  except Exception as e:  # noqa: BLE001  (offline, unknown repo, gated, network down)
+    offline = (" HF_HUB_OFFLINE is set, and the model is not in the local cache "
+               f"({constants.HF_HUB_CACHE})." if constants.HF_HUB_OFFLINE else "")
+    raise FileNotFoundError(
+        f"{field}={value!r} is not a local folder, and fetching it from the Hugging Face "
+        f"hub failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}."
+        f"{offline} Download it once with network access (or point {field} at a local "
+        f"folder)") from e
+  if not (folder / "config.json").is_file():
+    raise FileNotFoundError(f"{field}={value!r}: the hub model has no config.json "
+                            f"(fetched into {folder})")
+  return folder
 
 
 def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_depth: int = 16
@@ -39,9 +83,7 @@ def build_policy(spec: ModelSpec, seed: int, max_path_tokens: int = 4096, max_de
   lora = (LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha,
                      target_modules=tuple(spec.lora_targets)) if spec.lora_rank else None)
   if spec.name == "hf":
-    folder = pathlib.Path(spec.hf_folder)
-    if not (folder / "config.json").is_file():
-      raise FileNotFoundError(f"config.model.hf_folder={spec.hf_folder!r} holds no config.json")
+    folder = resolve_hf_folder(spec.hf_folder)
   else:
     # smollm2 and tiny both use SmolLM2's tokenizer and chat template.
     folder = gguf_import.default_model_dir()

@@ -15,8 +15,10 @@ The sections below keep the same banners in every trainer.
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +30,7 @@ from flax import nnx
 
 from tree_rl import distributed
 from tree_rl import metrics as metrics_lib
+from tree_rl import stats
 from tree_rl.algos import ppo
 from tree_rl.algos.trace import effective_ratio
 from tree_rl.checkpoint import (RunCheckpointer, method_state, restore_method_state,
@@ -35,7 +38,7 @@ from tree_rl.checkpoint import (RunCheckpointer, method_state, restore_method_st
 from tree_rl.config_types import RunConfig
 from tree_rl.device_memory import apply_learner_memory_fraction
 from tree_rl.envs import make_family
-from tree_rl.evaluate import evaluate
+from tree_rl.evaluate import EvalReport, evaluate
 from tree_rl.models import Decoder
 from tree_rl.models.attention import OVERFLOW_METRIC, raise_on_overflow
 from tree_rl.phases import StopFlag, Stopped, sft_warm_start
@@ -160,6 +163,48 @@ def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
                     log_file=str(workdir / "vllm_worker.log"))
 
 
+def _paired_comparisons(workdir: pathlib.Path) -> list[str]:
+  """RL against its start (the SFT policy, else the base model) on the same eval tasks: the
+  exact McNemar p and a paired bootstrap interval (`tree_rl.stats`), as lines, also written
+  to eval_comparison.json. None when the run has not both evaluations."""
+  stages = [s for s in ("base", "sft", "rl") if (workdir / f"eval_{s}.json").exists()]
+  if "rl" not in stages or len(stages) < 2:
+    return []
+  start = "sft" if "sft" in stages else "base"
+  correct = {s: {e.task_id: e.correct for e in
+                 EvalReport.from_json(str(workdir / f"eval_{s}.json")).episodes}
+             for s in (start, "rl")}
+  result = stats.compare(correct[start], correct["rl"])
+  (workdir / "eval_comparison.json").write_text(json.dumps(
+      {"a": start, "b": "rl", **dataclasses.asdict(result), "difference": result.difference},
+      indent=1) + "\n", encoding="utf-8")
+  return [result.describe(start, "rl")]
+
+
+def _plan(cfg: RunConfig, meta: dict[str, Any], num_eval: int) -> str:
+  """What the run will do, phase by phase with its size (what a resume skips marked done)."""
+  r, turns = cfg.rollout, cfg.rollout.max_turns or "the family's"
+  evals = meta["eval"]
+  phases = [("eval base", f"{num_eval} tasks, {turns} turns", "base" in evals)]
+  if cfg.sft.steps:
+    sft_done = bool(meta.get("sft_done")) or int(meta.get("sft_step", 0)) >= cfg.sft.steps
+    phases += [("SFT", f"{cfg.sft.steps} steps x {cfg.sft.tasks_per_step} oracle tasks",
+                sft_done), ("eval sft", f"{num_eval} tasks", "sft" in evals)]
+  if cfg.num_steps:
+    every = (f", an eval every {cfg.eval_every_steps} steps" if cfg.eval_every_steps else "")
+    phases += [("RL", f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts, "
+                      f"{cfg.algo.estimator} advantages, {r.strategy} rollouts{every}",
+                int(meta["step"]) >= cfg.num_steps),
+               ("eval rl", f"{num_eval} tasks", "rl" in evals)]
+  lines = [f"  {'done ' if done else '     '}{name}: {size}" for name, size, done in phases]
+  return "tree_rl plan (progress lines follow each phase):\n" + "\n".join(lines)
+
+
+# The evaluations' sampling stream: fold_in(key(seed), EVAL_STREAM), apart from every step's
+# fold_in(key(seed), step) and update key fold_in(key(seed), 10**6 + step).
+EVAL_STREAM = 2**31 - 1
+
+
 def _restored_row(row: dict[str, Any], meta: dict[str, Any]) -> bool:
   """Whether a metrics.jsonl row belongs to what a checkpoint with `meta` holds."""
   phase = row.get("phase", "rl")
@@ -249,12 +294,12 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
                     "(no kernel namespaces); install bubblewrap and drop the setting")
   vllm_python = _check_vllm(cfg)
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
-  eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.seed)
+  eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
   # The reasoning judge scores every leaf into channel "reasoning" (AWPO's R_reason); a
   # leaf it could not score is NaN for AWPO, whose group then uses the outcome alone.
   reasoning = make_reasoning_scorer(cfg.judge.kind, family, train_tasks, cfg.judge.judge_config())
   unscored = (REASONING_CHANNEL,) if cfg.algo.estimator == "awpo" else ()
-  writer = metrics_lib.MetricWriter(workdir_path, cfg.num_steps, primary=primary)
+  writer = metrics_lib.MetricWriter(workdir_path, primary=primary)
   timer = metrics_lib.PhaseTimer()
 
   # ============================== Mesh & shardings ==============================
@@ -306,6 +351,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   writer.keep_only(lambda row: own is not None and _restored_row(row, meta))
   if source is not None and source.rejected:  # steps that did not verify: an older one resumed
     writer.write(int(meta["step"]), source.fallback_metrics(), phase="checkpoint")
+  if primary:
+    print(_plan(cfg, meta, len(eval_tasks)), file=sys.stderr, flush=True)
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
@@ -398,10 +445,23 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   greedy = SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens)
 
   def run_eval(stage: str, step: int) -> dict[str, float]:
-    """Evaluates the current policy; a signal stops it at the engine's next call (Stopped)."""
+    """Evaluates the current policy; a signal stops it at the engine's next call (Stopped).
+
+    In the synchronous loop the eval runs on its own stream (its key; the reseed also
+    forgets the sampler's cached rows), and the next step reseeds before it samples: an
+    eval changes nothing that training samples, so runs that differ only in
+    `eval_every_steps` train alike. (With `rollout.max_staleness` > 0 the producer shares
+    the engine meanwhile, and its stream is left alone.)"""
+    if not r.max_staleness:
+      engine.reseed(jax.random.fold_in(jax.random.key(cfg.seed), EVAL_STREAM))
+    turns = r.max_turns or family.max_turns
+    shown = metrics_lib.Progress(f"eval {stage}", len(eval_tasks), "episodes ended",
+                                 primary=primary)
     with timer("eval"), stop.interrupting(engine.interrupt):
       report = evaluate(family, eval_tasks, engine_policy(engine, chat, greedy),
-                        max_turns=r.max_turns or None, encode=chat.encode)
+                        max_turns=turns, encode=chat.encode,
+                        progress=lambda t, fin, n: shown.update(n if t == turns else fin,
+                                                                f"after turn {t}/{turns}"))
     m = {k: float(report.metrics[k]) for k in EVAL_KEYS}
     meta["eval"][stage] = m
     writer.write(step, {f"eval/{k}": v for k, v in m.items()}, phase=f"eval:{stage}")
@@ -440,7 +500,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         shutil.rmtree(sft_dir)
 
     # ============================== Train loop ==============================
-    start, done, skipped = int(meta["step"]), 0, []
+    start, skipped = int(meta["step"]), []
+    shown = metrics_lib.Progress("RL", cfg.num_steps, "steps", start=start, primary=primary)
     base_key = jax.random.key(cfg.seed)
 
     def produce(step: int, pos: int) -> Produced:
@@ -538,8 +599,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         row.update(reasoning.step_metrics([lf.rewards for lf in leaves]))
       meta["step"] = step
       writer.write(step, row)
-      done += 1
-      writer.progress(step, done, f"reward {row['reward/outcome_mean']:+.3f}")
+      shown.update(step, f"reward {row['reward/outcome_mean']:+.3f}, "
+                   f"{row.get('rollout/policy_tokens', 0):.0f} policy tokens")
       saved = step % cfg.ckpt_every_steps == 0 or step == cfg.num_steps or stop.set
       if saved:
         timed("checkpoint", save_run, ckpt, step, state, meta, method)
@@ -569,6 +630,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   # ============================== Summary ==============================
   if primary:
     print(metrics_lib.summary_table(meta["eval"], EVAL_KEYS), flush=True)
+    for line in _paired_comparisons(workdir_path):
+      print(line, flush=True)
     phases = timer.table()
     print(phases, flush=True)
     (workdir_path / "phases.txt").write_text(phases + "\n", encoding="utf-8")

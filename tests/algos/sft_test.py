@@ -87,7 +87,7 @@ def test_the_sft_loop_warns_and_counts_skipped_steps(tmp_path, caplog):
   opt = optax.adam(float("inf"))
   state = _state(opt)
   before = _host(state.params)
-  writer = MetricWriter(tmp_path, total_steps=2, primary=False)
+  writer = MetricWriter(tmp_path, primary=False)
   meta: dict = {}
   stop = StopFlag()
   try:

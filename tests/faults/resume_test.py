@@ -67,7 +67,7 @@ def test_a_torn_last_metrics_row_is_dropped_on_resume(tmp_path):
   rows = [{"step": 1, "phase": "rl", "loss": 0.5}, {"step": 2, "phase": "rl", "loss": 0.25}]
   text = "".join(json.dumps(r) + "\n" for r in rows)
   (tmp_path / "metrics.jsonl").write_text(text + '{"step": 3, "phase": "rl", "lo')
-  writer = MetricWriter(tmp_path, total_steps=3)
+  writer = MetricWriter(tmp_path)
   assert writer.keep_only(lambda row: True) == 0
   writer.write(3, {"loss": 0.125})
   writer.close()
@@ -80,7 +80,7 @@ def test_a_garbage_metrics_row_is_skipped_naming_the_file_and_line(tmp_path, cap
   rows = [{"step": 1, "phase": "rl", "loss": 0.5}, {"step": 2, "phase": "rl", "loss": 0.25}]
   (tmp_path / "metrics.jsonl").write_text(
       json.dumps(rows[0]) + "\n\x00\x07garbage{\n[1, 2]\n" + json.dumps(rows[1]) + "\n")
-  writer = MetricWriter(tmp_path, total_steps=3)
+  writer = MetricWriter(tmp_path)
   with caplog.at_level("WARNING"):
     assert writer.keep_only(lambda row: True) == 0
   writer.close()

@@ -130,7 +130,9 @@ def advance(episode: OpenEpisode, text: str) -> None:
 def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
                  num_samples: int = 1, max_turns: int | None = None,
                  judge: LLMJudge | None = None, max_workers: int = 8,
-                 encode: Callable[[str], Sequence[int]] | None = None) -> list[EpisodeRecord]:
+                 encode: Callable[[str], Sequence[int]] | None = None,
+                 progress: Callable[[int, int, int], None] | None = None
+                 ) -> list[EpisodeRecord]:
   """Runs `num_samples` episodes of every task, all advancing together turn by turn.
 
   Args:
@@ -146,6 +148,7 @@ def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
     encode: the policy's tokenizer (text -> ids, `ChatFormat.encode`): every tool reply is
       cut to the family's `max_tool_output_tokens` tokens of it, as in the rollout; None
       counts 4 characters a token (scripted policies without a tokenizer).
+    progress: called after each turn with (turns done, episodes finished, episodes).
 
   Returns:
     One record per episode, ordered by (task, sample).
@@ -177,6 +180,8 @@ def run_episodes(family: Family, tasks: Sequence[Task], policy: Policy, *,
       # Shallow copies: a policy that edits its input must not corrupt the episodes.
       texts = _call_policy(policy, [list(e.messages) for e in active], turn)
       list(pool.map(advance, active, texts))  # list(): re-raises a worker's exception
+      if progress is not None:
+        progress(turn + 1, sum(e.finished for e in episodes), len(episodes))
 
   truncated = [not e.finished for e in episodes]
   if judge is not None:

@@ -415,8 +415,19 @@ class JaxSampler:
   def reseed(self, key: Array) -> None:
     """Restart the sampling stream at `key` (the trainer reseeds every step from
     (seed, step), so a resumed run samples exactly what the uninterrupted run did;
-    seeded requests then sample from (key, request seed) alone)."""
+    seeded requests then sample from (key, request seed) alone).
+
+    It also forgets the cached rows: a reused prefix skips its prefill, which changes how
+    the call's other tokens are batched and so the floating-point sums behind every later
+    logit. Then what a stream samples depends on the weights, the key and its requests
+    only, never on what the sampler ran before (an evaluation, the SFT phase, an earlier
+    step, or nothing, in a resumed process). Within the stream, prefixes are reused as
+    before; across steps a weight update clears the rows anyway.
+    """
     self.rng, self.calls = key, 0
+    self.row_tokens = [None] * self.rows
+    self.last_used[:] = 0
+    self.clock = 0
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     """Continuous batching: requests wait in order and take work slots as slots free up."""
