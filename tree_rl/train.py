@@ -181,9 +181,9 @@ def _paired_comparisons(workdir: pathlib.Path) -> list[str]:
   return [result.describe(start, "rl")]
 
 
-def _plan(cfg: RunConfig, meta: dict[str, Any], num_eval: int) -> str:
+def _plan(cfg: RunConfig, meta: dict[str, Any], num_eval: int, turns: int) -> str:
   """What the run will do, phase by phase with its size (what a resume skips marked done)."""
-  r, turns = cfg.rollout, cfg.rollout.max_turns or "the family's"
+  r = cfg.rollout
   evals = meta["eval"]
   phases = [("eval base", f"{num_eval} tasks, {turns} turns", "base" in evals)]
   if cfg.sft.steps:
@@ -352,7 +352,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   if source is not None and source.rejected:  # steps that did not verify: an older one resumed
     writer.write(int(meta["step"]), source.fallback_metrics(), phase="checkpoint")
   if primary:
-    print(_plan(cfg, meta, len(eval_tasks)), file=sys.stderr, flush=True)
+    print(_plan(cfg, meta, len(eval_tasks), cfg.rollout.max_turns or family.max_turns),
+          file=sys.stderr, flush=True)
 
   # ============================== Rollout workers & weight sync ==============================
   r = cfg.rollout
