@@ -49,3 +49,20 @@ def test_compare_pairs_by_task_and_refuses_different_task_sets():
   assert line.endswith("exact McNemar p = 0.0156 (7 gained, 0 lost)")
   with pytest.raises(ValueError, match=r"in one only: \['t31'\]"):
     stats.compare(a, {k: v for k, v in b.items() if k != "t31"})
+
+
+def test_the_run_summary_says_why_evaluations_of_different_tasks_are_not_paired(tmp_path):
+  from tree_rl.evaluate import EpisodeSummary, EvalReport
+  from tree_rl.train import _paired_comparisons
+
+  def report(ids):
+    return EvalReport(metrics={"accuracy": 0.0}, episodes=tuple(
+        EpisodeSummary(task_id=t, sample=0, correct=False, reward=0.0, steps=1,
+                       truncated=False, answered=True, difficulty=1) for t in ids))
+
+  report(["a", "b"]).to_json(str(tmp_path / "eval_sft.json"))
+  report(["a", "c"]).to_json(str(tmp_path / "eval_rl.json"))
+  lines = _paired_comparisons(tmp_path)
+  assert lines == ["rl - sft: no paired test (paired evaluations must score the same tasks; "
+                   "these are in one only: ['b', 'c'])"]
+  assert not (tmp_path / "eval_comparison.json").exists()

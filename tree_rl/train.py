@@ -166,7 +166,8 @@ def _vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
 def _paired_comparisons(workdir: pathlib.Path) -> list[str]:
   """RL against its start (the SFT policy, else the base model) on the same eval tasks: the
   exact McNemar p and a paired bootstrap interval (`tree_rl.stats`), as lines, also written
-  to eval_comparison.json. None when the run has not both evaluations."""
+  to eval_comparison.json. Empty when the run has not both evaluations; a line saying why
+  when they scored different tasks (a resume that changed the eval tasks)."""
   stages = [s for s in ("base", "sft", "rl") if (workdir / f"eval_{s}.json").exists()]
   if "rl" not in stages or len(stages) < 2:
     return []
@@ -174,7 +175,10 @@ def _paired_comparisons(workdir: pathlib.Path) -> list[str]:
   correct = {s: {e.task_id: e.correct for e in
                  EvalReport.from_json(str(workdir / f"eval_{s}.json")).episodes}
              for s in (start, "rl")}
-  result = stats.compare(correct[start], correct["rl"])
+  try:
+    result = stats.compare(correct[start], correct["rl"])
+  except ValueError as e:  # the run's work is saved: say why there is no test, do not fail
+    return [f"rl - {start}: no paired test ({e})"]
   (workdir / "eval_comparison.json").write_text(json.dumps(
       {"a": start, "b": "rl", **dataclasses.asdict(result), "difference": result.difference},
       indent=1) + "\n", encoding="utf-8")
