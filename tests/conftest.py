@@ -26,6 +26,15 @@ def _has_gpu() -> bool:
     return False
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+  """A local Ray of 2 CPUs for one test module (skipped without the ray extra)."""
+  ray = pytest.importorskip("ray")
+  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+  yield ray
+  ray.shutdown()
+
+
 def pytest_collection_modifyitems(config, items):
   if _has_gpu():
     return

@@ -20,14 +20,6 @@ from tree_rl.rollout.agent_loop import AgentConfig
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-  ray = pytest.importorskip("ray")
-  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-  yield ray
-  ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def spec_and_model(tmp_path_factory):
   # No engine can be built from this spec (its tokenizer folder is empty): the fleets below
   # fail before one is, or because one is not.

@@ -36,14 +36,6 @@ def spec_and_model():
   return spec, model
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-  ray = pytest.importorskip("ray")
-  ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-  yield ray
-  ray.shutdown()
-
-
 def _tasks(n=4):
   return make_family(FAMILY).generate("train", n, seed=0)
 
