@@ -563,8 +563,7 @@ class JaxSampler:
         dest[e] = idle.pop(0)
         taken.add(dest[e])
 
-    a, n_leads = _bucket(len(batch), 1), len(leads)
-    pad = _bucket(n_leads, 1)
+    a = pad = w  # entries and leads padded to the slot width: one shape per width
     slot = np.full(a, w, np.int32)  # padding: out of range, its writes are dropped
     slot[:len(batch)] = slots[:len(batch)]
     row = np.full(a, self.rows, np.int32)
@@ -616,20 +615,24 @@ class JaxSampler:
                 ) -> dict[str, np.ndarray]:
     """Packs the leads' suffixes into steps of L pieces of C tokens (`Admission`'s piece_*).
 
-    C is `prefill_piece` (32: a suffix wastes fewer positions than that), or
-    the power of two (at least 16) holding the longest suffix when every
-    suffix fits in half a piece. L is the
-    piece count's power of two, at most `prefill_tokens // C` (a step of ~512
-    tokens keeps the matmuls large); the step count is bucketed to a power of
-    two and only the real steps run. Pieces go in entry order, so a step holds
-    nearby positions of few entries and its attention reads few blocks.
+    C is `prefill_piece` (32: a suffix wastes fewer positions than that). L is the piece
+    count's power of two, at most `prefill_tokens // C` (a step of ~512 tokens keeps the
+    matmuls large). Only the real steps run, so the step axis is a shape only: one step
+    when the pieces fit in one (L below its most), else the most any admission can need
+    (every row's whole context). The admission program's shapes are then set by the slot
+    width and L alone (with the entry axes padded to the width, `_admission`): in the
+    main job's first two RL steps it compiled 10 times, against 17 with power-of-two
+    buckets for the step count, the entries, the leads and C (~4.4 s a compile).
+    Pieces go in entry order, so a step holds nearby positions of few entries and its
+    attention reads few blocks.
     """
-    longest = max(len(x) for x in suffixes)
-    c = self.prefill_piece if longest > self.prefill_piece // 2 else _bucket(longest)
+    c = self.prefill_piece
     plan = [(p, o) for p, x in enumerate(suffixes) for o in range(0, len(x), c)]
-    lanes = min(_bucket(len(plan), 1), max(1, self.prefill_tokens // c))
+    most_lanes = max(1, self.prefill_tokens // c)
+    lanes = min(_bucket(len(plan), 1), most_lanes)
     steps = -(-len(plan) // lanes)
-    shape = (_bucket(steps, 1), lanes)
+    most_steps = -(-self.rows * -(-self.slots // c) // lanes)  # every row, every slot
+    shape = (most_steps if lanes == most_lanes else 1, lanes)
     tokens = np.zeros(shape + (c,), np.int32)
     row = np.full(shape, self.rows, np.int32)
     start, length = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
