@@ -65,6 +65,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.num_steps = 10
   c.prompts_per_step = 4
   c.eval_every_steps = 0
+  c.eval_base = True
   c.ckpt_every_steps = 5
   c.keep_checkpoints = 2
   c.seed = 0

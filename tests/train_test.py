@@ -206,6 +206,21 @@ def test_zero_steps_runs_the_sft_prefix_and_another_run_resumes_from_it(tmp_path
   assert int(out["state"].step) == 2 * arm.algo.num_minibatches  # updates from a fresh count
 
 
+def test_eval_base_false_skips_the_base_models_eval(tmp_path, capsys):
+  """The main job's preset sets eval_base=False: SFT and its eval run, the base model's eval
+  does not (no row, no file, not in the plan), and RL is compared with SFT."""
+  c = _config("apppo")
+  c.eval_base = False
+  out = train.train_and_evaluate(c, str(tmp_path))
+  assert set(out["eval"]) == {"sft", "rl"}
+  assert [r["phase"] for r in out["history"]][:2] == ["sft", "eval:sft"]
+  assert not (tmp_path / "eval_base.json").exists()
+  captured = capsys.readouterr()
+  assert "eval base" not in captured.err and "eval sft: 2 tasks" in captured.err
+  assert "rl - sft on 2 tasks: " in captured.out
+  assert importlib.import_module("configs.apppo").get_config().eval_base is False
+
+
 def test_async_rollouts_on_two_local_workers(tmp_path):
   """max_staleness=1 with a local fleet: the workers' first weights are their own copy, so
   the producer can sample step 2 while update 1 donates the state's buffers."""

@@ -521,6 +521,7 @@ class RunConfig:
   num_steps: int = 10  # RL steps; 0: base eval, SFT and the SFT eval only
   prompts_per_step: int = 4
   eval_every_steps: int = 0  # 0: only before and after training
+  eval_base: bool = True  # evaluate the base model before SFT (False: SFT's and RL's only)
   ckpt_every_steps: int = 5
   keep_checkpoints: int = 2
   seed: int = 0

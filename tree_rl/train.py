@@ -189,17 +189,18 @@ def _plan(cfg: RunConfig, meta: dict[str, Any], num_eval: int, turns: int) -> st
   """What the run will do, phase by phase with its size (what a resume skips marked done)."""
   r = cfg.rollout
   evals = meta["eval"]
-  phases = [("eval base", f"{num_eval} tasks, {turns} turns", "base" in evals)]
+  size = f"{num_eval} tasks, {turns} turns"
+  phases = [("eval base", size, "base" in evals)] if cfg.eval_base else []
   if cfg.sft.steps:
     sft_done = bool(meta.get("sft_done")) or int(meta.get("sft_step", 0)) >= cfg.sft.steps
     phases += [("SFT", f"{cfg.sft.steps} steps x {cfg.sft.tasks_per_step} oracle tasks",
-                sft_done), ("eval sft", f"{num_eval} tasks", "sft" in evals)]
+                sft_done), ("eval sft", size, "sft" in evals)]
   if cfg.num_steps:
     every = (f", an eval every {cfg.eval_every_steps} steps" if cfg.eval_every_steps else "")
     phases += [("RL", f"{cfg.num_steps} steps x {cfg.prompts_per_step} prompts, "
                       f"{cfg.algo.estimator} advantages, {r.strategy} rollouts{every}",
                 int(meta["step"]) >= cfg.num_steps),
-               ("eval rl", f"{num_eval} tasks", "rl" in evals)]
+               ("eval rl", size, "rl" in evals)]
   lines = [f"  {'done ' if done else '     '}{name}: {size}" for name, size, done in phases]
   return "tree_rl plan (progress lines follow each phase):\n" + "\n".join(lines)
 
@@ -479,7 +480,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   timer.add("setup", time.perf_counter() - timer.started)  # config to policy and engines
   stop, pipeline = StopFlag(), None
   try:
-    if "base" not in meta["eval"]:
+    if cfg.eval_base and "base" not in meta["eval"]:
       run_eval("base", 0)
       if not cfg.sft.steps:  # with SFT, its progress checkpoint at step 0 keeps the base eval
         timed("checkpoint", save_run, ckpt, 0, state, meta, method_state(strategy))
