@@ -34,6 +34,27 @@ def test_progress_eta_comes_from_the_phase_own_rate(monkeypatch, capsys):
                    "[eval sft 32/32 episodes ended] | done in 62s"]
 
 
+def test_a_long_unit_reports_from_inside_at_most_every_30_seconds(monkeypatch, capsys):
+  """An RL step can take minutes on a CPU: notes from inside it (rollout done, mini-batch
+  updated) print when 30 s passed since the last line of the phase, so a line comes at
+  least once a minute."""
+  now = [1000.0]
+  monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+  shown = metrics.Progress("RL", 5, "steps")
+  shown.note(1, "initial rollouts of 4 prompts done")  # nothing printed yet: printed
+  now[0] += 10.0
+  shown.note(1, "mini-batch 1/4 branched and updated")  # 10 s later: not
+  now[0] += 25.0
+  shown.note(1, "mini-batch 2/4 branched and updated")  # 35 s after the last line
+  shown.update(1, "reward +0.1")  # a step's own line always prints
+  now[0] += 5.0
+  shown.note(2, "initial rollouts of 4 prompts done")  # 5 s after the step's line: not
+  assert capsys.readouterr().err.splitlines() == [
+      "[RL step 1/5] initial rollouts of 4 prompts done",
+      "[RL step 1/5] mini-batch 2/4 branched and updated",
+      "[RL 1/5 steps] reward +0.1 | ETA 140s"]
+
+
 def test_a_run_prints_its_plan_progress_for_every_phase_and_a_paired_test(tmp_path, capsys):
   c = importlib.import_module("configs.apppo").get_config("runlocal")
   train.train_and_evaluate(c, str(tmp_path / "run"))

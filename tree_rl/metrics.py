@@ -121,6 +121,17 @@ class Progress:
     print(f"[{self.phase} {done}/{self.total} {self.unit}]{text} | {eta}", file=sys.stderr,
           flush=True)
 
+  def note(self, unit: int, text: str, every_s: float = 30.0) -> None:
+    """A line from inside unit `unit` (1-based) when `every_s` passed since the last line:
+    a phase whose units take minutes (an RL step on a CPU) still reports at least once a
+    minute, e.g. `[RL step 3/5] rollout done; mini-batch 2/4 updated`."""
+    now = time.time()
+    if not self.primary or now - self.last < every_s:
+      return
+    self.last = now
+    print(f"[{self.phase} {self.unit.rstrip('s')} {unit}/{self.total}] {text}",
+          file=sys.stderr, flush=True)
+
 
 class PhaseTimer:
   """Accumulates wall time per phase: `with timer("rollout"): ...` -> time/rollout.

@@ -86,7 +86,8 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
 
 def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
                          state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
-                         key: jax.Array, timer: metrics_lib.PhaseTimer, version: Any):
+                         key: jax.Array, timer: metrics_lib.PhaseTimer, version: Any,
+                         note: Any = lambda text: None):
   """One APPO step in the paper's order (arXiv 2606.12384, §3.2 and App. I, Algorithm 1;
   docs/methods/appo.md#branch-timing): N initial rollouts of
   every prompt under the step's starting policy; then per mini-batch k, branch its
@@ -94,7 +95,8 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
   branches sampled after the weights of update k - 1 are synced) and update on them.
 
   Returns (state, trees, the bad trees dropped (`pack_sound`), metrics averaged over the
-  mini-batches, each mini-batch's (trees, the policy version that trained them)).
+  mini-batches, each mini-batch's (trees, the policy version that trained them)). `note`
+  gets a progress text after the initial rollouts and after each mini-batch.
   """
   parts: list[dict[str, Any]] = []
   trained: list[tuple[list, int]] = []
@@ -102,6 +104,7 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
   with agent.open_forest(tasks) as forest:
     with timer("rollout"):
       strategy.initial(forest)
+    note(f"initial rollouts of {len(tasks)} prompts done")
     for k, part in enumerate(np.array_split(np.arange(len(tasks)), num_minibatches)):
       ids = [int(t) for t in part]
       if k:
@@ -116,6 +119,7 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
         with timer("update"):
           state, m = update(state, batch, jax.random.fold_in(key, k))
           parts.append(jax.device_get(m))
+      note(f"mini-batch {k + 1}/{num_minibatches} branched and updated")
     trees = agent.close_forest(forest)
   m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
   return state, trees, bad, m, trained
@@ -558,7 +562,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
               fit.wrap(minibatch_step),
               lambda trees: timed("pack", pack_sound, trees, minibatch_buckets, unscored, vocab),
-              sync_weights, update_key, timer, lambda: engine.published)
+              sync_weights, update_key, timer, lambda: engine.published,
+              lambda text: shown.note(step, text))
           got = dynamic_sampling.StepRollout.single(trees, agent.last_stats, strategy,
                                                     cfg.prompts_per_step)
           method = method_state(strategy)
@@ -573,6 +578,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           if batch is not None and r.strategy == "trace":  # TRACE eq. 21, on the trained trees
             row["trace/effective_ratio"] = float(effective_ratio(batch))
           if batch is not None:
+            shown.note(step, f"rollout of {len(got.trees)} trees done; updating")
             with timer("update"):
               state, m = update_step(state, batch, update_key)
         meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
