@@ -15,8 +15,8 @@ Hardware: a 2-core CPU, float32. The preset is sized for 20 minutes of wall time
 literal README command in a fresh virtualenv on 2 cores: 10 SFT steps, 5 RL steps of 4
 prompts, the SFT and RL evals on 32 test tasks (task.eval_seed=1: tasks no preset choice
 has seen; the notebooks' cpu arms score task.seed's tasks, on which the presets were
-tuned). It skips the base model's eval (eval_base=False; the quantized base model answers
-none of these tasks: 0.0 at seeds 0-2 in results/appo/). Its measured figures, with the
+tuned). It skips the base model's eval (eval_base=False; the quantized base model scored
+0.0 on the tuning split at seeds 0-2, results/appo/). Its measured figures, with the
 paired test of RL against SFT, are README's.
 Expected metric: held-out accuracy (32 test tasks) printed at the end, with RL - SFT, the
 exact McNemar p and a paired bootstrap interval. The scores are those of the default model

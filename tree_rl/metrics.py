@@ -124,7 +124,7 @@ class Progress:
   def note(self, unit: int, text: str, every_s: float = 30.0) -> None:
     """A line from inside unit `unit` (1-based) when `every_s` passed since the last line:
     a phase whose units take minutes (an RL step on a CPU) still reports at least once a
-    minute, e.g. `[RL step 3/5] rollout done; mini-batch 2/4 updated`."""
+    minute, e.g. `[RL step 3/5] mini-batch 2/4 branched and updated`."""
     now = time.time()
     if not self.primary or now - self.last < every_s:
       return
