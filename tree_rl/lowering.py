@@ -137,9 +137,9 @@ def _sampler_inputs(shape: Shape, max_new_tokens: int):
                            .sampling_weights())
   cache = jax.eval_shape(lambda: KVCache.zeros(shape.config, shape.sampler_rows,
                                                shape.sampler_slots))
-  tiny_loop, _, _, state, adm, rng = seen["admit"]
+  tiny_loop, _, _, adm = seen["admit"]
   loop = dataclasses.replace(tiny_loop, model=model.cached())
-  admit = (loop, weights, cache, state, adm, rng)
+  admit = (loop, weights, cache, adm)
   decode = (loop, weights, cache) + seen["decode"][3:]
   return admit, decode
 

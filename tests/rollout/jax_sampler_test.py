@@ -230,6 +230,17 @@ def test_one_compile_per_bucket(model):
   assert sizes() - before <= 2  # one admit and one decode program
 
 
+def test_admission_compiles_once_across_slot_widths(model):
+  """Calls of 1, 2 and 3 requests run 1, 2 and 4 work slots; their admissions (one
+  context, so one lead and one prefill piece each) share one admission program: only
+  the small seat program and the decode loop are per width."""
+  eng = JaxSampler(model, rows=4, slots=64, seed=7)
+  before = jax_sampler._admit_program._cache_size()
+  for n in (1, 2, 3):
+    eng.generate([GenerationRequest(_ctx(9, 6), SamplingParams(max_new_tokens=4))] * n)
+  assert jax_sampler._admit_program._cache_size() - before <= 1
+
+
 def test_bad_requests_fail_clearly(model):
   eng = JaxSampler(model, rows=4, slots=64)
   with pytest.raises(ValueError, match="empty context"):

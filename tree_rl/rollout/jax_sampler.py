@@ -2,7 +2,7 @@
 
 A `generate` call runs W work slots (W: the number of requests rounded up to a
 power of two, at most the cache's rows) through two jitted programs that both
-take the KV cache donated and index it by row, so nothing but the slots a call
+take the KV cache donated (admit's slot bookkeeping is a third, small one) and index it by row, so nothing but the slots a call
 needs is read, copied or written:
 
   * admit: A waiting requests take free slots. Each is given a cache row (the
@@ -70,7 +70,7 @@ _NEG_INF = -jnp.inf
 class Admission:
   """A requests entering free work slots, P of them leads that prefill their suffixes.
 
-  A and P are powers of two. Padding entries have slot W and row R (out of
+  A = P = the cache rows R (entries and leads padded). Padding entries have slot W and row R (out of
   range), so every write of theirs is dropped. Only the leads of identical
   contexts prefill (P entries of prefill work, not A): the others copy a lead.
 
@@ -241,24 +241,31 @@ class SamplerLoop:
   max_new_tokens: int
   eos_ids: tuple[int, ...]
 
-  def admit(self, weights: SamplingWeights, cache: KVCache, st: SamplerState, adm: Admission,
-            rng: Array) -> tuple[KVCache, SamplerState]:
+  def admit(self, weights: SamplingWeights, cache: KVCache, adm: Admission
+            ) -> tuple[KVCache, Float[Array, "A V"]]:
+    """Copies the kept prefixes, prefills the leads' suffixes and copies the forks'
+    contexts; returns the cache and each entry's next-token logits (its lead's)."""
     cache = _copy_slots(cache, adm.src_row, adm.row, adm.copy_len)
     last, cache = self._prefill(weights, cache, adm)
     logits = self.model.logits(weights, last)
     # Forks copy their lead's context (KV and next-token logits).
     cache = _copy_slots(cache, adm.lead_row, adm.row, adm.fork_len)
+    return cache, logits[adm.lead]
+
+  @staticmethod
+  def seat(st: SamplerState, adm: Admission, logits: Float[Array, "A V"], rng: Array
+           ) -> SamplerState:
+    """Puts the admitted requests (their logits from `admit`) into their work slots."""
     put = lambda buf, x: buf.at[adm.slot].set(x, mode="drop")
-    st = SamplerState(
+    return SamplerState(
         row=put(st.row, adm.row), done=put(st.done, False), reason=put(st.reason, 0),
         length=put(st.length, adm.ctx_len), t=put(st.t, 0),
-        logits=put(st.logits, logits[adm.lead]), window=put(st.window, -2),
+        logits=put(st.logits, logits), window=put(st.window, -2),
         tokens=put(st.tokens, -1), logprobs=put(st.logprobs, 0.0),
         entropies=put(st.entropies, 0.0), keys=put(st.keys, row_keys(rng, adm.seeds)),
         temperature=put(st.temperature, adm.temperature), top_p=put(st.top_p, adm.top_p),
         top_k=put(st.top_k, adm.top_k), max_new=put(st.max_new, adm.max_new),
         stop_use=put(st.stop_use, adm.stop_use))
-    return cache, st
 
   def _prefill(self, weights: SamplingWeights, cache: KVCache, adm: Admission):
     """Runs the packed suffix pieces step by step; returns each of the P entries' last hidden.
@@ -330,9 +337,16 @@ class SamplerLoop:
     return lax.while_loop(cond, body, (cache, st))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-def _admit_program(loop: SamplerLoop, weights, cache, state, adm, rng):
-  return loop.admit(weights, cache, state, adm, rng)
+# The admission's model work and its slot bookkeeping are two programs: the first's
+# shapes (entries padded to the cache rows, the packed prefill) do not depend on the
+# slot width W, so its ~4 s compile of 30 unrolled layers happens once per prefill
+# shape, not once per (W, prefill shape); the second, per W, has no layers to compile.
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _admit_program(loop: SamplerLoop, weights, cache, adm):
+  return loop.admit(weights, cache, adm)
+
+
+_seat_program = jax.jit(SamplerLoop.seat, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
@@ -461,7 +475,8 @@ class JaxSampler:
                                     prefill)
         for k, i, d in zip(free, batch, dest):
           slot_req[k], slot_row[k] = i, d
-        self.cache, state = _admit_program(loop, self.weights, self.cache, state, adm, self.rng)
+        self.cache, logits = _admit_program(loop, self.weights, self.cache, adm)
+        state = _seat_program(state, adm, logits, self.rng)
       # With nothing waiting, decoding stops early once at most half the slots are live,
       # and the live ones go on in a state half as wide (a finished slot would otherwise
       # run every layer until the slowest request of the call ends).
@@ -563,7 +578,8 @@ class JaxSampler:
         dest[e] = idle.pop(0)
         taken.add(dest[e])
 
-    a = pad = w  # entries and leads padded to the slot width: one shape per width
+    # Entries and leads padded to the cache rows: one admission shape whatever the width.
+    a = pad = self.rows
     slot = np.full(a, w, np.int32)  # padding: out of range, its writes are dropped
     slot[:len(batch)] = slots[:len(batch)]
     row = np.full(a, self.rows, np.int32)
@@ -619,10 +635,11 @@ class JaxSampler:
     count's power of two, at most `prefill_tokens // C` (a step of ~512 tokens keeps the
     matmuls large). Only the real steps run, so the step axis is a shape only: one step
     when the pieces fit in one (L below its most), else the most any admission can need
-    (every row's whole context). The admission program's shapes are then set by the slot
-    width and L alone (with the entry axes padded to the width, `_admission`): in the
-    main job's first two RL steps it compiled 10 times, against 17 with power-of-two
-    buckets for the step count, the entries, the leads and C (~4.4 s a compile).
+    (every row's whole context). The admission program's shapes are then set by L alone
+    (the entry axes are padded to the cache rows, `_admission`, and the slot width is
+    the separate `_seat_program`'s): ~4.4 s a compile, which power-of-two buckets for
+    the step count, the entries, the leads, C and the width paid 17 times in the main
+    job's first two RL steps.
     Pieces go in entry order, so a step holds nearby positions of few entries and its
     attention reads few blocks.
     """
