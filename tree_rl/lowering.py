@@ -126,8 +126,8 @@ def _sampler_inputs(shape: Shape, max_new_tokens: int):
     return record
 
   params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0)
-  with mock.patch.object(jax_sampler, "_admit_program",
-                         recorder("admit", jax_sampler._admit_program)), \
+  with mock.patch.object(jax_sampler, "_seat_program",
+                         recorder("seat", jax_sampler._seat_program)), \
        mock.patch.object(jax_sampler, "_decode_program",
                          recorder("decode", jax_sampler._decode_program)):
     sampler.generate([GenerationRequest(tokens=(3, 4, 5, 6), params=params),
@@ -137,9 +137,9 @@ def _sampler_inputs(shape: Shape, max_new_tokens: int):
                            .sampling_weights())
   cache = jax.eval_shape(lambda: KVCache.zeros(shape.config, shape.sampler_rows,
                                                shape.sampler_slots))
-  tiny_loop, _, _, adm = seen["admit"]
+  tiny_loop, _, state, adm, _, rng = seen["seat"]
   loop = dataclasses.replace(tiny_loop, model=model.cached())
-  admit = (loop, weights, cache, adm)
+  admit = (loop, weights, cache, state, adm, rng)
   decode = (loop, weights, cache) + seen["decode"][3:]
   return admit, decode
 
@@ -180,7 +180,9 @@ def export_programs(shape: Shape, platform: str, attention: AttentionConfig,
 
     admit, decode = _sampler_inputs(shape, max_new_tokens=32)
     if "sampler_admit" in programs:
-      out["sampler_admit"] = _export(jax_sampler._admit_program, platform, *admit)
+      # An admission's four programs (prefix copies, prefill, fork copies, seat) as one.
+      admit_all = jax.jit(jax_sampler.SamplerLoop.admit, static_argnums=0)
+      out["sampler_admit"] = _export(admit_all, platform, *admit)
     if "sampler_decode" in programs:
       out["sampler_decode"] = _export(jax_sampler._decode_program, platform, *decode)
   return out

@@ -222,7 +222,7 @@ def test_sampled_tokens_follow_the_tempered_distribution():
 
 def test_one_compile_per_bucket(model):
   eng = JaxSampler(model, rows=4, slots=64, seed=6)
-  sizes = lambda: (jax_sampler._admit_program._cache_size()
+  sizes = lambda: (jax_sampler._prefill_program._cache_size()
                    + jax_sampler._decode_program._cache_size())
   before = sizes()
   for seed in range(3):  # contexts of different lengths in one prefill bucket
@@ -232,13 +232,13 @@ def test_one_compile_per_bucket(model):
 
 def test_admission_compiles_once_across_slot_widths(model):
   """Calls of 1, 2 and 3 requests run 1, 2 and 4 work slots; their admissions (one
-  context, so one lead and one prefill piece each) share one admission program: only
-  the small seat program and the decode loop are per width."""
+  context, so one lead and one prefill piece each) share one prefill program: only the
+  small copy and seat programs and the decode loop are per width."""
   eng = JaxSampler(model, rows=4, slots=64, seed=7)
-  before = jax_sampler._admit_program._cache_size()
+  before = jax_sampler._prefill_program._cache_size()
   for n in (1, 2, 3):
     eng.generate([GenerationRequest(_ctx(9, 6), SamplingParams(max_new_tokens=4))] * n)
-  assert jax_sampler._admit_program._cache_size() - before <= 1
+  assert jax_sampler._prefill_program._cache_size() - before <= 1
 
 
 def test_bad_requests_fail_clearly(model):

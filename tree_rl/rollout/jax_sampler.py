@@ -2,7 +2,7 @@
 
 A `generate` call runs W work slots (W: the number of requests rounded up to a
 power of two, at most the cache's rows) through two jitted programs that both
-take the KV cache donated (admit's slot bookkeeping is a third, small one) and index it by row, so nothing but the slots a call
+take the KV cache donated (admit is split further: see `_prefill_program`) and index it by row, so nothing but the slots a call
 needs is read, copied or written:
 
   * admit: A waiting requests take free slots. Each is given a cache row (the
@@ -67,18 +67,32 @@ _NEG_INF = -jnp.inf
 
 
 @flax.struct.dataclass
+class Prefill:
+  """The leads' uncached suffixes, packed: P leads, N steps (n_steps of them real) of L
+  pieces of C tokens (`JaxSampler._schedule`).
+
+  P is the cache rows R (padded), so the prefill program's shapes are set by L (and N)
+  alone. A step runs its L pieces as one [L, C] `extend`, whichever leads and positions
+  they hold, so an admission computes about its real suffix tokens (rounded up to C per
+  lead), not P rows padded to the longest suffix.
+  """
+
+  new_len: Int[Array, "P"]  # each lead's suffix tokens (0 for padding)
+  tokens: Int[Array, "N L C"]
+  row: Int[Array, "N L"]  # cache row (R for padding: its writes are dropped)
+  start: Int[Array, "N L"]  # slot (and position) of the piece's first token
+  length: Int[Array, "N L"]  # its real tokens
+  last: Int[Array, "N L"]  # the lead (index into P) whose last token ends it, else P
+  n_steps: Int[Array, ""]
+
+
+@flax.struct.dataclass
 class Admission:
-  """A requests entering free work slots, P of them leads that prefill their suffixes.
+  """A requests entering free work slots, some of them leads that prefill their suffixes.
 
-  A = P = the cache rows R (entries and leads padded). Padding entries have slot W and row R (out of
-  range), so every write of theirs is dropped. Only the leads of identical
-  contexts prefill (P entries of prefill work, not A): the others copy a lead.
-
-  The leads' suffixes are packed: each is cut into pieces of C tokens, and the
-  pieces fill N steps of L lanes each (`JaxSampler._schedule`). A step runs
-  its L pieces as one [L, C] `extend`, whichever entries and positions they
-  hold, so an admission computes about its real suffix tokens (rounded up to C
-  per entry), not P rows padded to the longest suffix.
+  A is the slot width W (entries padded). Padding entries have slot W and row R (out of
+  range), so every write of theirs is dropped. Only the leads of identical contexts
+  prefill (`prefill`): the others copy a lead.
   """
 
   slot: Int[Array, "A"]  # the work slot each request takes
@@ -86,17 +100,10 @@ class Admission:
   src_row: Int[Array, "A"]  # slots [0, copy_len) are copied from this row first
   copy_len: Int[Array, "A"]
   ctx_len: Int[Array, "A"]
-  lead: Int[Array, "A"]  # the prefill entry (index into P) whose logits this request takes
+  lead: Int[Array, "A"]  # the prefill lead (index into P) whose logits this request takes
   lead_row: Int[Array, "A"]  # after prefill, slots [0, fork_len) are copied from this row
   fork_len: Int[Array, "A"]  # 0 for leads
-  new_len: Int[Array, "P"]  # each lead's suffix tokens (0 for padding)
-  # The packed prefill: N steps (n_steps of them real) of L pieces of C tokens.
-  piece_tokens: Int[Array, "N L C"]
-  piece_row: Int[Array, "N L"]  # cache row (R for padding: its writes are dropped)
-  piece_start: Int[Array, "N L"]  # slot (and position) of the piece's first token
-  piece_len: Int[Array, "N L"]  # its real tokens
-  piece_last: Int[Array, "N L"]  # the entry (index into P) whose last token ends it, else P
-  n_steps: Int[Array, ""]
+  prefill: Prefill
   temperature: Float[Array, "A"]
   top_p: Float[Array, "A"]
   top_k: Int[Array, "A"]
@@ -241,21 +248,20 @@ class SamplerLoop:
   max_new_tokens: int
   eos_ids: tuple[int, ...]
 
-  def admit(self, weights: SamplingWeights, cache: KVCache, adm: Admission
-            ) -> tuple[KVCache, Float[Array, "A V"]]:
-    """Copies the kept prefixes, prefills the leads' suffixes and copies the forks'
-    contexts; returns the cache and each entry's next-token logits (its lead's)."""
+  def admit(self, weights: SamplingWeights, cache: KVCache, st: SamplerState, adm: Admission,
+            rng: Array) -> tuple[KVCache, SamplerState]:
+    """An admission as one function: what `JaxSampler` runs as `_copy_program`,
+    `_prefill_program`, `_copy_program` (forks) and `_seat_program` (lowering exports it)."""
     cache = _copy_slots(cache, adm.src_row, adm.row, adm.copy_len)
-    last, cache = self._prefill(weights, cache, adm)
-    logits = self.model.logits(weights, last)
-    # Forks copy their lead's context (KV and next-token logits).
+    cache, last = self.prefill(weights, cache, adm.prefill)
     cache = _copy_slots(cache, adm.lead_row, adm.row, adm.fork_len)
-    return cache, logits[adm.lead]
+    return cache, self.seat(weights, st, adm, last, rng)
 
-  @staticmethod
-  def seat(st: SamplerState, adm: Admission, logits: Float[Array, "A V"], rng: Array
-           ) -> SamplerState:
-    """Puts the admitted requests (their logits from `admit`) into their work slots."""
+  def seat(self, weights: SamplingWeights, st: SamplerState, adm: Admission,
+           last: Float[Array, "P D"], rng: Array) -> SamplerState:
+    """Puts the admitted requests into their work slots, each with its lead's next-token
+    logits (from the lead's last hidden state, `prefill`)."""
+    logits = self.model.logits(weights, last[jnp.minimum(adm.lead, last.shape[0] - 1)])
     put = lambda buf, x: buf.at[adm.slot].set(x, mode="drop")
     return SamplerState(
         row=put(st.row, adm.row), done=put(st.done, False), reason=put(st.reason, 0),
@@ -267,28 +273,29 @@ class SamplerLoop:
         top_k=put(st.top_k, adm.top_k), max_new=put(st.max_new, adm.max_new),
         stop_use=put(st.stop_use, adm.stop_use))
 
-  def _prefill(self, weights: SamplingWeights, cache: KVCache, adm: Admission):
-    """Runs the packed suffix pieces step by step; returns each of the P entries' last hidden.
+  def prefill(self, weights: SamplingWeights, cache: KVCache, pre: Prefill
+              ) -> tuple[KVCache, Float[Array, "P D"]]:
+    """Runs the packed suffix pieces step by step; returns the cache and each of the P
+    leads' last hidden state.
 
     Pieces of one entry may share a step: `extend` writes every lane's keys of
     a layer before any lane attends, so a piece sees the earlier pieces' keys
     of the same layer as if they had run before it. Steps past `n_steps` are
     not run (a dynamic trip count), so the step axis is only a shape bucket.
     """
-    _, lanes, c = adm.piece_tokens.shape
+    _, lanes, c = pre.tokens.shape
 
     def step(i, carry):
       cache, last = carry
-      toks, length = adm.piece_tokens[i], adm.piece_len[i]
+      toks, length = pre.tokens[i], pre.length[i]
       write = jnp.arange(c)[None, :] < length[:, None]
-      h, cache = self.model.extend(weights, toks, adm.piece_start[i], adm.piece_row[i], write,
-                                   cache)
+      h, cache = self.model.extend(weights, toks, pre.start[i], pre.row[i], write, cache)
       h_end = h[jnp.arange(lanes), jnp.maximum(length - 1, 0)]  # [L, D]
-      return cache, last.at[adm.piece_last[i]].set(h_end, mode="drop")
+      return cache, last.at[pre.last[i]].set(h_end, mode="drop")
 
     cfg = self.model.config
-    last = jnp.zeros((adm.new_len.shape[0], cfg.hidden_size), jnp.dtype(cfg.dtype))
-    return lax.fori_loop(0, adm.n_steps, step, (cache, last))[::-1]
+    last = jnp.zeros((pre.new_len.shape[0], cfg.hidden_size), jnp.dtype(cfg.dtype))
+    return lax.fori_loop(0, pre.n_steps, step, (cache, last))
 
   def decode(self, weights: SamplingWeights, cache: KVCache, st: SamplerState,
              stop_seqs: Int[Array, "NS MS"], waiting: Bool[Array, ""], shrink_at: Int[Array, ""]
@@ -337,16 +344,22 @@ class SamplerLoop:
     return lax.while_loop(cond, body, (cache, st))
 
 
-# The admission's model work and its slot bookkeeping are two programs: the first's
-# shapes (entries padded to the cache rows, the packed prefill) do not depend on the
-# slot width W, so its ~4 s compile of 30 unrolled layers happens once per prefill
-# shape, not once per (W, prefill shape); the second, per W, has no layers to compile.
+# An admission runs as up to four programs, so that the whole model's prefill (30
+# unrolled layers, ~4 s to compile) is compiled once per prefill shape (lanes, steps),
+# never per slot width: the prefix copies (per entry count; skipped when nothing is
+# copied), the prefill (leads padded to the cache rows), the forks' copies, and the seat
+# (per slot width: slot bookkeeping and the logits of the entries' last hidden states).
+_copy_program = jax.jit(_copy_slots, donate_argnums=0)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _admit_program(loop: SamplerLoop, weights, cache, adm):
-  return loop.admit(weights, cache, adm)
+def _prefill_program(loop: SamplerLoop, weights, cache, pre):
+  return loop.prefill(weights, cache, pre)
 
 
-_seat_program = jax.jit(SamplerLoop.seat, donate_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _seat_program(loop: SamplerLoop, weights, state, adm, last, rng):
+  return loop.seat(weights, state, adm, last, rng)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
@@ -471,12 +484,16 @@ class JaxSampler:
       batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
       if batch:
         busy = {slot_row[k] for k in range(w) if slot_req[k] >= 0}
-        adm, dest = self._admission(requests, batch, free, w, busy, strings, table.shape[0],
-                                    prefill)
+        adm, dest, copies, forks = self._admission(requests, batch, free, w, busy, strings,
+                                                   table.shape[0], prefill)
         for k, i, d in zip(free, batch, dest):
           slot_req[k], slot_row[k] = i, d
-        self.cache, logits = _admit_program(loop, self.weights, self.cache, adm)
-        state = _seat_program(state, adm, logits, self.rng)
+        if copies:  # kept prefixes from other rows
+          self.cache = _copy_program(self.cache, adm.src_row, adm.row, adm.copy_len)
+        self.cache, last = _prefill_program(loop, self.weights, self.cache, adm.prefill)
+        if forks:  # identical contexts copy their lead's
+          self.cache = _copy_program(self.cache, adm.lead_row, adm.row, adm.fork_len)
+        state = _seat_program(loop, self.weights, state, adm, last, self.rng)
       # With nothing waiting, decoding stops early once at most half the slots are live,
       # and the live ones go on in a state half as wide (a finished slot would otherwise
       # run every layer until the slowest request of the call ends).
@@ -549,8 +566,9 @@ class JaxSampler:
 
   def _admission(self, requests: Sequence[GenerationRequest], batch: list[int], slots: list[int],
                  w: int, busy: set[int], strings: list[str], ns: int, prefill: dict[int, int]
-                 ) -> tuple[Admission, list[int]]:
-    """Rows, prefix sources and prefill suffixes for requests `batch` entering `slots`.
+                 ) -> tuple[Admission, list[int], bool, bool]:
+    """Rows, prefix sources and prefill suffixes for requests `batch` entering `slots`;
+    also whether some entry copies a kept prefix, and whether some copies its lead.
 
     Rows of running slots (`busy`) are never destinations, but may be sources:
     a running row's context slots do not change. A row may be one entry's
@@ -578,8 +596,9 @@ class JaxSampler:
         dest[e] = idle.pop(0)
         taken.add(dest[e])
 
-    # Entries and leads padded to the cache rows: one admission shape whatever the width.
-    a = pad = self.rows
+    # Entries padded to the slot width; leads to the cache rows (the prefill's shape is then
+    # set by its lanes alone).
+    a, pad = w, self.rows
     slot = np.full(a, w, np.int32)  # padding: out of range, its writes are dropped
     slot[:len(batch)] = slots[:len(batch)]
     row = np.full(a, self.rows, np.int32)
@@ -622,24 +641,25 @@ class JaxSampler:
       self.row_tokens[dest[e]] = ctx[e]
       self.last_used[dest[e]] = self.clock
     host = dict(slot=slot, row=row, src_row=src_row, copy_len=copy_len, ctx_len=ctx_len,
-                lead=lead, lead_row=lead_row, fork_len=fork_len, new_len=new_len, **pieces,
-                temperature=temperature, top_p=top_p, top_k=top_k, max_new=max_new,
-                stop_use=stop_use, seeds=seeds)
-    return Admission(**{k: jax.device_put(v) for k, v in host.items()}), dest
+                lead=lead, lead_row=lead_row, fork_len=fork_len, temperature=temperature,
+                top_p=top_p, top_k=top_k, max_new=max_new, stop_use=stop_use, seeds=seeds)
+    adm = Admission(prefill=Prefill(**jax.device_put(dict(new_len=new_len, **pieces))),
+                    **jax.device_put(host))
+    return adm, dest, bool(copy_len.any()), bool(fork_len.any())
 
   def _schedule(self, suffixes: list[np.ndarray], rows: np.ndarray, starts: np.ndarray
                 ) -> dict[str, np.ndarray]:
-    """Packs the leads' suffixes into steps of L pieces of C tokens (`Admission`'s piece_*).
+    """Packs the leads' suffixes into steps of L pieces of C tokens (`Prefill`'s fields).
 
     C is `prefill_piece` (32: a suffix wastes fewer positions than that). L is the piece
     count's power of two, at most `prefill_tokens // C` (a step of ~512 tokens keeps the
     matmuls large). Only the real steps run, so the step axis is a shape only: one step
     when the pieces fit in one (L below its most), else the most any admission can need
-    (every row's whole context). The admission program's shapes are then set by L alone
-    (the entry axes are padded to the cache rows, `_admission`, and the slot width is
-    the separate `_seat_program`'s): ~4.4 s a compile, which power-of-two buckets for
-    the step count, the entries, the leads, C and the width paid 17 times in the main
-    job's first two RL steps.
+    (every row's whole context). The prefill program's shapes are then set by L alone
+    (its leads are padded to the cache rows, `_admission`; the slot width is only the
+    small copy and seat programs'): ~4 s a compile, which power-of-two buckets for the
+    step count, the entries, the leads, C and the width paid 17 times in the main job's
+    first two RL steps.
     Pieces go in entry order, so a step holds nearby positions of few entries and its
     attention reads few blocks.
     """
@@ -661,8 +681,8 @@ class JaxSampler:
       row[i, k], start[i, k], length[i, k] = rows[p], starts[p] + o, len(piece)
       if o + c >= len(suffixes[p]):
         last[i, k] = p
-    return dict(piece_tokens=tokens, piece_row=row, piece_start=start, piece_len=length,
-                piece_last=last, n_steps=np.asarray(steps, np.int32))
+    return dict(tokens=tokens, row=row, start=start, length=length, last=last,
+                n_steps=np.asarray(steps, np.int32))
 
   def _result(self, req: GenerationRequest, tokens, logprobs, entropies, reason: int,
               prefill: int) -> GenerationResult:
