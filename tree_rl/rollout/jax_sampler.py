@@ -1,9 +1,9 @@
 """The embedded JAX sampler: continuous batching over a persistent row cache, in place.
 
 A `generate` call runs W work slots (W: the number of requests rounded up to a
-power of two, at most the cache's rows) through two jitted programs that both
-take the KV cache donated (admit is split further: see `_prefill_program`) and index it by row, so nothing but the slots a call
-needs is read, copied or written:
+power of two, at most the cache's rows) through two jitted programs (admit runs
+as up to four: see `_prefill_program`) that take the KV cache donated and index
+it by row, so nothing but the slots a call needs is read, copied or written:
 
   * admit: A waiting requests take free slots. Each is given a cache row (the
     row sharing its longest prefix when nothing of that row is lost, else the
