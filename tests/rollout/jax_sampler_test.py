@@ -227,7 +227,7 @@ def test_one_compile_per_bucket(model):
   before = sizes()
   for seed in range(3):  # contexts of different lengths in one prefill bucket
     eng.generate([GenerationRequest(_ctx(20 + seed, 5 + seed), SamplingParams(max_new_tokens=8))])
-  assert sizes() - before <= 2  # one admit and one decode program
+  assert sizes() - before <= 2  # one prefill and one decode program
 
 
 def test_admission_compiles_once_across_slot_widths(model):

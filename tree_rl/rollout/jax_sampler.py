@@ -261,7 +261,7 @@ class SamplerLoop:
            last: Float[Array, "P D"], rng: Array) -> SamplerState:
     """Puts the admitted requests into their work slots, each with its lead's next-token
     logits (from the lead's last hidden state, `prefill`)."""
-    logits = self.model.logits(weights, last[jnp.minimum(adm.lead, last.shape[0] - 1)])
+    logits = self.model.logits(weights, last[adm.lead])
     put = lambda buf, x: buf.at[adm.slot].set(x, mode="drop")
     return SamplerState(
         row=put(st.row, adm.row), done=put(st.done, False), reason=put(st.reason, 0),
