@@ -569,9 +569,23 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
                                [paths["boot.py"], paths["config.json"]], [paths["status"]],
                                env) + command
     timed_out = over_disk = False
+    info_read = info_write = -1
+    if isolation == "bwrap":
+      # bubblewrap writes the pid of the namespace's first process here (see _await_namespace).
+      info_read, info_write = os.pipe()
+      command[1:1] = ["--info-fd", str(info_write)]
     with open(paths["stdout"], "wb") as out, open(paths["stderr"], "wb") as err:
-      proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                              stderr=err, start_new_session=True, close_fds=True)
+      try:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, start_new_session=True, close_fds=True,
+                                pass_fds=(info_write,) if info_write >= 0 else ())
+      except BaseException:
+        if info_read >= 0:
+          os.close(info_read)
+        raise
+      finally:
+        if info_write >= 0:
+          os.close(info_write)
       try:
         timed_out, over_disk = _wait(proc, limits, work)
       finally:
@@ -583,6 +597,8 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
           except ProcessLookupError:
             pass
           proc.wait()
+        if info_read >= 0:
+          _await_namespace(info_read)
     stdout, out_bytes = _read_output(paths["stdout"], limits.max_output_chars)
     stderr, err_bytes = _read_output(paths["stderr"], limits.max_output_chars)
     try:
@@ -603,6 +619,39 @@ def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
                          returncode=returncode, seconds=time.monotonic() - start)
   finally:
     _remove_tree(base)
+
+
+def _await_namespace(info_fd: int, timeout_s: float = 10.0) -> None:
+  """Waits until every process in a finished bubblewrap run's PID namespace is gone.
+
+  bubblewrap's own exit does not mean that: --die-with-parent reaches the namespace's
+  processes by a signal the kernel delivers after bubblewrap is reaped, and one of them may
+  still be writing into the private folder while the caller deletes it. The namespace's
+  first process (its init) exits only after the kernel has killed and reaped every other
+  process in the namespace, so this waits for that one to be gone or a zombie. Closes
+  `info_fd`.
+  """
+  try:
+    os.set_blocking(info_fd, False)  # bubblewrap has exited: what it wrote is all there
+    info = os.read(info_fd, 4096)
+  except OSError:  # nothing written, and the sandbox held the pipe open
+    info = b""
+  finally:
+    os.close(info_fd)
+  try:
+    pid = int(json.loads(info)["child-pid"])
+  except (ValueError, KeyError, TypeError):
+    return  # bubblewrap failed before it made the namespace: nothing ran
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    try:
+      with open(f"/proc/{pid}/stat", "rb") as f:
+        state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+      return  # gone (a reused pid would be a new process: stop waiting either way)
+    if state in (b"Z", b"X"):
+      return
+    time.sleep(0.005)
 
 
 def _remove_tree(path: str) -> None:
