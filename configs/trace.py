@@ -21,12 +21,11 @@ from configs import common
 
 
 def get_config(arg=None):
-  arg = common.parse_arg(arg, **{**common.COMMON_ARGS, "task": "search_qa"}, group=4,
+  arg = common.parse_arg(arg, **{**common.COMMON_ARGS, "task": "search_qa"},
                          predictor="value_head")
   c = common.base_config()
   c.algo.estimator = "tree_rpo"
   c.rollout.strategy = "trace"
-  c.rollout.samples_per_task = arg.group
   c.rollout.strategy_kwargs = dict(predictor=arg.predictor, predictor_kwargs={})
   if arg.predictor == "value_head":
     # A randomly initialised 2-layer model (the paper fine-tunes a pretrained Qwen3-0.6B

@@ -3,7 +3,7 @@ arXiv 2509.21240, as TRACE, arXiv 2606.11119, restates it in Eqs. 48-49;
 docs/methods/grpo.md#tree-grpo-intra-group).
 
 Command: python launch/train.py --config=configs/tree_grpo.py --workdir=/tmp/tree_grpo
-Ablations: :runlocal.
+Ablations: :group=N (N initial rollouts a prompt: the random strategy's n_init) ; :runlocal.
 Hardware: a 2-core CPU runs the default.
 Expected metric: eval/accuracy vs GRPO (not yet measured).
 """

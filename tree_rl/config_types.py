@@ -24,7 +24,10 @@ from tree_rl.rewards.judge import MAX_REPLY_BYTES, JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.pipeline import check_async
+from tree_rl.algos.appo import APPOConfig
 from tree_rl.rollout.strategies import STRATEGIES
+from tree_rl.rollout.strategies.base import (GENERIC_FIELDS, check_generic_fields,
+                                             check_strategy_options)
 from tree_rl.rollout.strategies.trace import check_predictor
 
 MODELS = ("smollm2", "tiny", "hf")
@@ -89,12 +92,12 @@ class ModelSpec:
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
   dtype: str = "float32"
-  remat: bool = False
+  remat: bool = True  # recompute each layer's activations in the backward pass
   # Tree attention in the update: "dense" builds [L, L] scores per head and layer
   # (fine for tiny models); "blockwise" visits only visible key blocks with an
   # online softmax, so memory stays O(L) (what a real model on a CPU needs);
   # "pallas" is the same as one fused GPU kernel (refused on a CPU: check_backend).
-  attention: str = "dense"
+  attention: str = "blockwise"
   attention_block: int = 64
   tiny_overrides: dict = dataclasses.field(default_factory=dict)
 
@@ -545,13 +548,30 @@ class RunConfig:
           "with config.judge.base_url and config.judge.model (configs/awpo.py sets 'rubric')")
     # Built once (DAPO's lengths may build the task family): validated here, kept for the run.
     object.__setattr__(self, "_estimator", self._make_estimator_config())
-    r = self.rollout  # the judge scores leaves in the trainer, not on rollout workers
+    r = self.rollout
+    self._check_generic_fields()
+    check_strategy_options(r, self.seed)
+    # The judge scores leaves in the trainer, not on rollout workers.
     check_fleet(r.backend, r.num_workers, r.strategy, r.engine, leaf_rewards=bool(self.judge.kind))
     timing = r.strategy_kwargs.get("branch_timing", STRATEGIES["appo"].branch_timing)
     check_async(r.max_staleness,  # AWPO's estimator sets its own radius (Eq. 29)
                 None if self.algo.estimator == "awpo" else self.algo.loss_config().clip_eps_high,
                 per_minibatch=(r.strategy == "appo" and self.algo.num_minibatches > 1
                                and timing == "per_minibatch"))
+
+  def _check_generic_fields(self) -> None:
+    """rollout.samples_per_task and max_turns only where the strategy reads them, and equal
+    to its own option for the same quantity where both are set (`check_generic_fields`).
+    The APPO strategy's N is its APPOConfig's n_init: the estimator's with estimator='appo'
+    (one config for the branching and the advantages, as the trainer builds it)."""
+    r = self.rollout
+    options = dict(r.strategy_kwargs)
+    if r.strategy == "appo":
+      config = self._estimator if self.algo.estimator == "appo" else APPOConfig()
+      options["n_init"] = config.n_init
+    defaults = {f: RolloutSpec.__dataclass_fields__[f].default for f in GENERIC_FIELDS}
+    check_generic_fields(r.strategy, {f: getattr(r, f) for f in GENERIC_FIELDS}, defaults,
+                         options)
 
   def max_turns(self) -> int:
     """Assistant steps an episode can take in this run, by the agent loop's rule: PORTool's
@@ -613,6 +633,24 @@ class RunConfig:
           f"({how}), so it could never fire; lower it, or leave it unset to derive it from "
           f"the budget")
     return cfg
+
+  @classmethod
+  def defaults(cls) -> dict[str, Any]:
+    """Every field's default, by section: the one place defaults are written
+    (`configs/common.base_config` is this as a ConfigDict)."""
+    def fields(spec) -> dict[str, Any]:
+      out = {}
+      for f in dataclasses.fields(spec):
+        if not f.init or (spec is cls and f.name in cls.SECTIONS):
+          continue
+        if f.default_factory is not dataclasses.MISSING:
+          out[f.name] = f.default_factory()
+        elif f.default is not dataclasses.MISSING:
+          out[f.name] = f.default
+        else:
+          raise TypeError(f"{spec.__name__}.{f.name} has no default")
+      return out
+    return {**{name: fields(spec) for name, spec in cls.SECTIONS.items()}, **fields(cls)}
 
   @classmethod
   def from_config_dict(cls, config: Any) -> "RunConfig":

@@ -54,6 +54,7 @@ from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.pipeline import Produced, RolloutPipeline, VersionedEngine, staleness
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
+from tree_rl.rollout.strategies.base import strategy_options
 from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
 
 EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
@@ -63,24 +64,17 @@ EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
 def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
               placement: Placement):
   """The branching strategy with the run's group size and, for APPO, the current policy."""
-  r, kw = cfg.rollout, dict(cfg.rollout.strategy_kwargs)
-  if r.strategy in ("flat", "portool"):
-    kw.setdefault("n", r.samples_per_task)
-  elif r.strategy == "appo":
+  r, kw = cfg.rollout, strategy_options(cfg.rollout, cfg.seed)
+  if r.strategy == "appo":
     if cfg.algo.estimator == "appo":  # one APPOConfig for the branching and the advantages
       kw.setdefault("config", estimator_config)
     kw.setdefault("current_logprobs", model_scorer(
         policy_model, Buckets(tokens=TOKEN_BUCKETS, trees=placement.tree_buckets()),
         placement.place_batch))
-  elif r.strategy == "arpo":
-    kw.setdefault("initial_rollouts", r.samples_per_task)
-    kw.setdefault("budget", 2 * r.samples_per_task)
   elif r.strategy == "trace":  # the success predictor, by name, over the policy's vocabulary
     kw["predictor"] = make_predictor(kw.get("predictor", "running_mean"),
                                      vocab_size=policy_model.config.vocab_size, seed=cfg.seed,
                                      **kw.pop("predictor_kwargs", {}))
-  if r.strategy in ("portool", "appo", "arpo", "random"):
-    kw.setdefault("seed", cfg.seed)
   return make_strategy(r.strategy, **kw)
 
 

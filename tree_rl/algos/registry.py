@@ -168,8 +168,10 @@ def registered() -> list[AdvEstimator]:
 def make_config(name: AdvEstimator | str, **overrides: Any):
   """The estimator's config with paper defaults, overridden by `overrides`.
 
-  Unknown keys fail listing the valid ones.
+  Unknown keys fail listing the valid ones. A list becomes a tuple (configs are static,
+  hashable jit arguments, and a config.json round trip turns their tuples into lists).
   """
+  overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
   entry = get(name)
   fields = {f.name for f in dataclasses.fields(entry.config_cls)}
   bad = sorted(set(overrides) - fields)

@@ -704,8 +704,9 @@ def run_fleet(cfg: Any, model: nnx.Module, tokenizer: Any, agent: AgentConfig,
   r = cfg.rollout
   if r.backend == "local" and r.num_workers == 1:
     return None
-  kw = dict(r.strategy_kwargs)
-  kw.setdefault("n", r.samples_per_task)  # as the trainer's own flat strategy
+  from tree_rl.rollout.strategies.base import strategy_options  # noqa: PLC0415
+
+  kw = strategy_options(r, cfg.seed)  # as the trainer's own strategy
   vllm = r.engine == "vllm"
   if vllm_kwargs and not vllm:
     raise ValueError(f"run_fleet: vllm_kwargs={dict(vllm_kwargs)} with "

@@ -36,8 +36,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +175,9 @@ class APPOStrategy:
       before any update). Read by the trainer; the same with one mini-batch.
   """
 
+  # N is config.n_init (the estimator's when both are APPO's): the config checks that
+  # samples_per_task agrees with it.
+  generic_fields: ClassVar[Mapping[str, str]] = {"samples_per_task": "n_init", "max_turns": ""}
   config: APPOConfig = APPOConfig()
   loops: int = 1
   current_logprobs: PolicyScorer | None = None

@@ -37,6 +37,8 @@ decision is the same, and nothing is sampled twice.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
@@ -49,7 +51,8 @@ from tree_rl.tree.types import LeafTag
 @dataclasses.dataclass
 class ARPOStrategy:
   """Attributes:
-    budget: M, the global rollout size per prompt (16 in ARPO's scripts).
+    budget: M, the global rollout size per prompt (16 in ARPO's scripts, with N = 8);
+      None: 2N.
     initial_rollouts: N, trajectories sampled from the prompt (8 in ARPO's scripts).
     beam_size: Z, partial branches opened by one branch decision (2).
     alpha: base branch probability (ARPO's `branch_probability`, 0.5).
@@ -58,7 +61,9 @@ class ARPOStrategy:
     seed: the branch decisions' randomness.
   """
 
-  budget: int = 16
+  generic_fields: ClassVar[Mapping[str, str]] = {"samples_per_task": "initial_rollouts",
+                                                 "max_turns": ""}
+  budget: int | None = None
   initial_rollouts: int = 8
   beam_size: int = 2
   alpha: float = 0.5
@@ -67,6 +72,8 @@ class ARPOStrategy:
   seed: int = 0
 
   def __post_init__(self):
+    if self.budget is None:
+      self.budget = 2 * self.initial_rollouts
     if not 1 <= self.initial_rollouts <= self.budget:
       raise ValueError(f"ARPOStrategy: need 1 <= initial_rollouts <= budget, got "
                        f"{self.initial_rollouts}, {self.budget}")

@@ -10,6 +10,8 @@ a prompt share its context, so the engine prefills the prompt once.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 from tree_rl.rollout.branching import Forest
 from tree_rl.rollout.strategies.base import register
@@ -23,6 +25,7 @@ class FlatStrategy:
       and PORTool's n; DAPO uses 16).
   """
 
+  generic_fields: ClassVar[Mapping[str, str]] = {"samples_per_task": "n", "max_turns": ""}
   n: int = 8
 
   def __post_init__(self):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
@@ -42,6 +44,8 @@ class PORToolStrategy:
     seed: DupAndSamp's selection randomness.
   """
 
+  # t_max replaces the loop's max_turns.
+  generic_fields: ClassVar[Mapping[str, str]] = {"samples_per_task": "n"}
   n: int = 8
   fork_factor: int = 2
   t_max: int = 5

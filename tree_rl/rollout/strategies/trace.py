@@ -47,7 +47,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -211,6 +211,8 @@ class TRACEStrategy:
       start's 0.5 everywhere) and what `predictor.update` reported (trace/predictor_*).
   """
 
+  # Roots per prompt are allocated (roots_per_task on average), not a fixed group size.
+  generic_fields: ClassVar[Mapping[str, str]] = {"max_turns": ""}
   roots_per_task: float = 2.0
   continuations_per_root: int = 2
   max_roots_per_task: int | None = None

@@ -23,6 +23,8 @@ prompt filled the context) keeps the budget with fresh rollouts from the prompt.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +45,7 @@ class RandomStrategy:
     seed: branch point randomness.
   """
 
+  generic_fields: ClassVar[Mapping[str, str]] = {"samples_per_task": "n_init", "max_turns": ""}
   reference: BranchingStrategy | None = None
   budget: int | None = None
   n_init: int = 4

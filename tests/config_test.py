@@ -1,0 +1,98 @@
+"""The typed config (`tree_rl.config_types`) against the configs users run (`configs/`)."""
+
+import dataclasses
+import importlib
+import json
+import pathlib
+
+import pytest
+
+from configs import common
+from tree_rl.config_types import ModelSpec, RunConfig
+from tree_rl.rollout.strategies import STRATEGIES, make_strategy
+from tree_rl.rollout.strategies.base import GENERIC_FIELDS, strategy_options
+
+
+def test_defaults_are_written_once():
+  # base_config is the typed defaults, so a RunConfig built from a partial dict runs the
+  # model a real config runs (they once disagreed on remat and the attention).
+  assert common.base_config().to_dict() == RunConfig.defaults()
+  assert RunConfig.from_config_dict({}) == RunConfig.from_config_dict(common.base_config())
+  spec = ModelSpec()
+  assert (spec.remat, spec.attention) == (True, "blockwise")
+  assert set(RunConfig.defaults()) == {f.name for f in dataclasses.fields(RunConfig) if f.init}
+
+
+# A compatible estimator for each strategy (the config checks some pairs).
+_ESTIMATOR = {"flat": "grpo", "portool": "portool", "appo": "appo", "arpo": "arpo",
+              "trace": "tree_rpo", "random": "tree_grpo"}
+_SET = {"samples_per_task": 3, "max_turns": 2}  # both differ from the defaults
+
+
+@pytest.mark.parametrize("field", GENERIC_FIELDS)
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_generic_rollout_field_changes_the_strategy_or_fails_at_start_up(name, field):
+  assert set(_ESTIMATOR) == set(STRATEGIES)
+  assert RunConfig.defaults()["rollout"][field] != _SET[field]
+  c = common.base_config()
+  c.rollout.strategy, c.algo.estimator = name, _ESTIMATOR[name]
+  c.rollout[field] = _SET[field]
+  option = STRATEGIES[name].generic_fields.get(field)
+  if option is None or (name == "appo" and field == "samples_per_task"):
+    # Not read (or, for APPO's N, not where it is set: its n_init is the estimator's).
+    with pytest.raises(ValueError, match=rf"config\.rollout\.{field}=.*strategy '{name}'"):
+      RunConfig.from_config_dict(c)
+    return
+  cfg = RunConfig.from_config_dict(c)
+  if option:  # the strategy's own option takes the field's value
+    strategy = make_strategy(name, **strategy_options(cfg.rollout, cfg.seed))
+    assert getattr(strategy, option) == _SET[field]
+  else:  # the agent loop's turn limit
+    assert cfg.max_turns() == _SET[field]
+
+
+def test_one_quantity_set_twice_differently_fails_and_alike_passes():
+  c = common.base_config()
+  c.rollout.samples_per_task, c.rollout.strategy_kwargs = 3, {"n": 5}
+  with pytest.raises(ValueError, match=r"samples_per_task=3 but strategy 'flat'.s n=5"):
+    RunConfig.from_config_dict(c)
+  c.rollout.strategy_kwargs = {"n": 3}
+  RunConfig.from_config_dict(c)
+  # APPO's N is its estimator's n_init: samples_per_task may restate it, not contradict it.
+  c = common.base_config()
+  c.rollout.strategy, c.algo.estimator = "appo", "appo"
+  c.rollout.samples_per_task, c.algo.estimator_kwargs = 2, {"n_init": 2, "budget": 4}
+  RunConfig.from_config_dict(c)
+  c.algo.estimator_kwargs = {"n_init": 4, "budget": 16}
+  with pytest.raises(ValueError, match=r"samples_per_task=2 but strategy 'appo'.s n_init=4"):
+    RunConfig.from_config_dict(c)
+
+
+@pytest.mark.parametrize("name", ["apppo", "arpo", "awpo", "dapo", "grpo", "portool", "trace",
+                                  "tree_grpo"])
+@pytest.mark.parametrize("arg", [None, "runlocal"])
+def test_every_shipped_config_builds(name, arg):
+  module = importlib.import_module(f"configs.{name}")
+  RunConfig.from_config_dict(module.get_config(arg))
+
+
+def test_every_committed_run_config_still_builds():
+  paths = sorted(pathlib.Path(__file__).parents[1].glob("results/**/config.json"))
+  assert paths
+  for path in paths:
+    RunConfig.from_config_dict(json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("name, kwargs, message", [
+    ("flat", {"m": 3}, r"unknown option\(s\) \['m'\] for strategy 'flat'; valid: \['n'\]"),
+    ("appo", {"current_logprobs": None}, r"unknown option\(s\) \['current_logprobs'\]"),
+    ("portool", {"seed": 1}, r"unknown option\(s\) \['seed'\].*the seed is config.seed"),
+    ("flat", {"n": 0}, r"strategy_kwargs \(strategy 'flat'\): FlatStrategy.n=0 must be >= 1"),
+    ("arpo", {"budget": 1}, r"strategy 'arpo'.*initial_rollouts <= budget"),
+])
+def test_strategy_options_fail_when_the_config_is_read(name, kwargs, message):
+  c = common.base_config()
+  c.rollout.strategy, c.algo.estimator = name, _ESTIMATOR[name]
+  c.rollout.strategy_kwargs = kwargs
+  with pytest.raises(ValueError, match=message):
+    RunConfig.from_config_dict(c)
