@@ -7,6 +7,8 @@ was sampled: trees pass `check()`, the recorded log-probs equal the policy's
 log-probs recomputed on the packed tree, and flagged truncations keep every leaf.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,7 +19,7 @@ from tree_rl.models import Decoder, ModelConfig, gguf_import
 from tree_rl.models.logprobs import tree_logprobs
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
-from tree_rl.rollout.engine import SamplingParams, ScriptedEngine
+from tree_rl.rollout.engine import GenerationRequest, SamplingParams, ScriptedEngine
 from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.policy import oracle_engine
 from tree_rl.tree.batch import Buckets, pack
@@ -49,6 +51,23 @@ def test_chat_format_glue_matches_the_template(chat, tokenizer):
     text = chat.decode(chat.prompt_tokens(msgs)) + sampled + chat.decode(
         chat.glue_tokens(msgs, sampled, tool))
     assert text == full
+
+
+def test_the_oracle_answers_by_task_id_when_a_question_contains_another(chat):
+  # Found by searching the decoded context for its question, task 0 (whose question is
+  # now part of task 1's) would also be found in task 1's context and answer it wrongly.
+  family = make_family("toolworld")
+  a, b = family.generate("eval", 2, seed=1)
+  question = lambda t: t.messages[-1]["content"]
+  b = dataclasses.replace(b, messages=(*b.messages[:-1], {
+      "role": "user", "content": question(a) + " Then: " + question(b)}))
+  loop = AgentLoop(oracle_engine([a, b], chat), chat, family, AgentConfig(
+      samples_per_task=1, max_context_tokens=8192, sampling=SamplingParams(max_new_tokens=512)))
+  trees = loop.rollout([a, b])
+  assert [leaf.rewards["outcome"] for tree in trees for leaf in tree.leaves] == [1.0, 1.0]
+  with pytest.raises(ValueError, match="task_id=None, which is not one of its 2 tasks"):
+    oracle_engine([a, b], chat).generate([GenerationRequest(tuple(chat.prompt_tokens(
+        a.messages)))])
 
 
 @pytest.mark.parametrize("name", ["toolworld", "search_qa"])

@@ -284,7 +284,8 @@ class Forest:
       if b not in self._live:
         raise ValueError("step: a branch has ended or was discarded")
     send = [b for b in branches if len(b.tokens) < self.max_context_tokens]
-    requests = [GenerationRequest(tuple(b.tokens), self.sampling, b.request_seed()) for b in send]
+    requests = [GenerationRequest(tuple(b.tokens), self.sampling, b.request_seed(),
+                                  task_id=b.ident[0]) for b in send]
     for b in send:
       b.turns += 1
     results = self.engine.generate(requests) if send else []

@@ -68,11 +68,15 @@ class GenerationRequest:
       seeds every request from (task, branch, turn)). None (direct engine users,
       evaluation) keeps the batch-dependent stream: (reseed key, call count,
       index in the call).
+    task_id: the task whose episode the context continues (the agent loop sets it;
+      None elsewhere). Sampling engines ignore it; a scripted one (the SFT teacher,
+      `tree_rl.rollout.policy.oracle_engine`) answers by it.
   """
 
   tokens: tuple[int, ...]
   params: SamplingParams = SamplingParams()
   seed: int | None = None
+  task_id: str | None = None
 
   def __post_init__(self):
     if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**64):
@@ -148,7 +152,7 @@ class ScriptedEngine:
     out = []
     for req in requests:
       self.requests.append(req)
-      tokens = list(self.tokenizer.encode(self.script(req.tokens), add_special_tokens=False))
+      tokens = list(self.tokenizer.encode(self.text(req), add_special_tokens=False))
       tokens = tokens[:req.params.max_new_tokens]
       finish = "length"
       if self.eos_id is not None and len(tokens) < req.params.max_new_tokens:
@@ -158,6 +162,10 @@ class ScriptedEngine:
       out.append(GenerationResult(tuple(tokens), (0.0,) * n, (0.0,) * n, finish,
                                   prefill_tokens=len(req.tokens)))
     return out
+
+  def text(self, req: GenerationRequest) -> str:
+    """The step `req` gets: `script(req.tokens)`."""
+    return self.script(req.tokens)
 
   def update_weights(self, params: Any) -> None:
     del params  # a script has no weights; the count lets tests check the sync happened

@@ -28,27 +28,37 @@ def engine_policy(engine: RolloutEngine, chat: ChatFormat, params: SamplingParam
 
 
 def oracle_engine(tasks: Sequence[Task], chat: ChatFormat) -> ScriptedEngine:
-  """An engine whose step for a context is the oracle's next step for the task in it.
+  """An engine whose step for a request is the oracle's next step for the request's task.
 
-  The task is found by its user question in the decoded context, the turn by the
-  number of assistant headers after the prompt.
+  The task is the request's `task_id` (the agent loop sets it), the turn the number of
+  assistant headers after the task's prompt in the context.
   """
-  by_question = {t.messages[-1]["content"]: t for t in tasks}
-  header = chat.assistant_header
-  prompt_turns = {t.task_id: chat.decode(chat.prompt_tokens(t.messages)).count(header)
-                  for t in tasks}
+  return _OracleEngine(tasks, chat)
 
-  def script(context: tuple[int, ...]) -> str:
-    text = chat.decode(context)
-    task = next((t for q, t in by_question.items() if q in text), None)
+
+class _OracleEngine(ScriptedEngine):
+  """`oracle_engine`'s ScriptedEngine: answers each request by its task id."""
+
+  def __init__(self, tasks: Sequence[Task], chat: ChatFormat):
+    super().__init__(self._no_context_script, chat.tokenizer, eos_id=chat.tokenizer.eos_token_id)
+    self.chat = chat
+    self.by_id = {str(t.task_id): t for t in tasks}
+    self.prompt_turns = {str(t.task_id): chat.decode(chat.prompt_tokens(t.messages)).count(
+        chat.assistant_header) for t in tasks}
+
+  @staticmethod
+  def _no_context_script(context: tuple[int, ...]) -> str:
+    raise ValueError("oracle_engine answers a request by its task_id, not by its context alone")
+
+  def text(self, req: GenerationRequest) -> str:
+    task = self.by_id.get(req.task_id) if req.task_id is not None else None
     if task is None:
-      raise ValueError("oracle_engine: the context holds no known task's question")
-    turn = text.count(header) - prompt_turns[task.task_id]
+      raise ValueError(f"oracle_engine: request for task_id={req.task_id!r}, which is not one "
+                       f"of its {len(self.by_id)} tasks (the agent loop sets task_id)")
+    turn = self.chat.decode(req.tokens).count(self.chat.assistant_header) - self.prompt_turns[
+        req.task_id]
     steps = [m["content"] for m in task.oracle if m["role"] == "assistant"]
     if turn >= len(steps):
       raise ValueError(f"oracle_engine: turn {turn} is past the {len(steps)} oracle steps of "
                        f"{task.task_id}")
     return steps[turn]
-
-  eos = chat.tokenizer.eos_token_id
-  return ScriptedEngine(script, chat.tokenizer, eos_id=eos)
