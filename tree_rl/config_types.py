@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tree_rl.algos import registry
+from tree_rl.algos.appo import APPOConfig
 from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
@@ -24,7 +25,6 @@ from tree_rl.rewards.judge import MAX_REPLY_BYTES, JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.pipeline import check_async
-from tree_rl.algos.appo import APPOConfig
 from tree_rl.rollout.strategies import STRATEGIES
 from tree_rl.rollout.strategies.base import (GENERIC_FIELDS, check_generic_fields,
                                              check_strategy_options)
