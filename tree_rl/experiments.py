@@ -155,9 +155,10 @@ def scale_args(scale: str) -> str:
 # of 2 prompts took over 20 GB and was killed on a 24 GB machine.
 CPU_TOOLWORLD_PRESET = "apppo"
 # ... at the main job's earlier budget and reward, where every committed cpu-scale run ran:
-# 5 RL steps of 2 prompts, PORTool's reward. The main job itself now trains 10 steps of 4
-# prompts on the format-gated reward (docs/notebooks.md#the-cpu-scale).
-CPU_TOOLWORLD_ARG = "prompts=2,steps=5,reward=portool"
+# 5 RL steps of 2 prompts, PORTool's reward, branched per mini-batch. The main job itself
+# now trains 5 steps of 4 prompts on the format-gated reward and branches once a step
+# (docs/notebooks.md#the-cpu-scale).
+CPU_TOOLWORLD_ARG = "prompts=2,steps=5,reward=portool,timing=per_minibatch"
 # The part of that preset that other task families (BFCL, search QA) take at the cpu scale:
 # the training recipe (LoRA targets, SFT warm start, learning rate, sampling temperature,
 # budget), not the task's shape (their own prompts, token limits and eval sets) nor its
