@@ -10,7 +10,8 @@ import pytest
 from configs import common
 from tree_rl.config_types import ModelSpec, RunConfig
 from tree_rl.rollout.strategies import STRATEGIES, make_strategy
-from tree_rl.rollout.strategies.base import GENERIC_FIELDS, strategy_options
+from tree_rl.rollout.strategies.base import (GENERIC_FIELDS, BranchingStrategy, register,
+                                             strategy_options)
 
 
 def test_defaults_are_written_once():
@@ -49,6 +50,25 @@ def test_a_generic_rollout_field_changes_the_strategy_or_fails_at_start_up(name,
     assert getattr(strategy, option) == _SET[field]
   else:  # the agent loop's turn limit
     assert cfg.max_turns() == _SET[field]
+
+
+def test_every_strategy_answers_the_trainer_one_way():
+  # What the trainer, the checkpoint and the logs ask of a strategy is the base class's,
+  # so none of them probes for attributes; a class that is not one cannot register.
+  for name, cls in STRATEGIES.items():
+    assert issubclass(cls, BranchingStrategy) and cls.name == name
+    strategy = make_strategy(name)
+    assert dict(strategy.last_metrics) == {}, name  # nothing rolled out yet
+    assert strategy.branches_between_updates == (name == "appo"), name  # APPO's default
+    state = strategy.state_dict()
+    assert (state is None) == (name != "trace"), name  # only TRACE learns (its predictor)
+    if state is None:
+      with pytest.raises(ValueError, match=f"strategy '{name}' learns no state"):
+        strategy.load_state_dict({"meta": {}, "arrays": None})
+  assert not make_strategy("appo", branch_timing="per_step").branches_between_updates
+  with pytest.raises(TypeError, match="'duck' must subclass BranchingStrategy"):
+    register("duck")(type("Duck", (), {"generic_fields": {}}))
+  assert "duck" not in STRATEGIES
 
 
 def test_one_quantity_set_twice_differently_fails_and_alike_passes():

@@ -45,11 +45,11 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   # group (likely with a random model, whose episodes all end truncated at -1), and says so.
   skipped = [r.get("rollout/dynamic_sampling/update_skipped", 0.0) == 1.0 for r in steps]
   assert all(("loss" not in r) if s else np.isfinite(r["loss"]) for r, s in zip(steps, skipped))
-  # APPO branches and updates per mini-batch: two updates a step.
+  # APPO's advantages are per mini-batch, so each of its two mini-batches is its own update
+  # call (train._update_by_minibatch): two updates a step.
   assert int(out["state"].step) == (4 if name == "apppo" else 2 - sum(skipped))
-  # Synchronous: trained on the policy that sampled; APPO's second mini-batch also trains
-  # on initial rollouts sampled before the first mini-batch's update.
-  assert all(r["rollout/staleness_max"] == (r["step"] > 0 and name == "apppo") for r in steps)
+  # Synchronous: trained on the policy that sampled (the weights are published once a step).
+  assert all(r["rollout/staleness_max"] == 0 for r in steps)
   if name == "dapo":
     for r in steps:
       assert r["rollout/dynamic_sampling/extra_rounds"] <= 1  # runlocal's bound
@@ -108,6 +108,19 @@ class _FlipWorld:
     reward = float(self.scored[task.task_id] % 2) if mixed else 0.0
     self.scored[task.task_id] += 1
     return Outcome(reward, correct=reward > 0, answered=True)
+
+
+def test_appo_per_minibatch_branching_trains_each_minibatch_on_the_policy_of_the_moment(
+    tmp_path):
+  # :timing=per_minibatch (the paper's order): the second mini-batch's branches are sampled
+  # after the first mini-batch's update is published, and it also trains on initial rollouts
+  # sampled before that update, one version old.
+  out = train.train_and_evaluate(_config("apppo", "runlocal,timing=per_minibatch"),
+                                 str(tmp_path))
+  steps = [r for r in out["history"] if "reward/outcome_mean" in r]
+  assert [r["step"] for r in steps] == [1, 2] and int(out["state"].step) == 4
+  assert all(r["rollout/staleness_max"] == 1 for r in steps)
+  assert all(0.0 <= r["appo/fallback_frac"] <= 1.0 for r in steps)
 
 
 def test_dynamic_sampling_trains_on_mixed_groups_from_extra_rollouts(tmp_path, monkeypatch):

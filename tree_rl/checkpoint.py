@@ -64,6 +64,7 @@ from tree_rl.algos import ppo
 from tree_rl.config_types import RunConfig
 from tree_rl.models import Decoder
 from tree_rl.policy import build_run_policy, make_optimizer
+from tree_rl.rollout.strategies.base import BranchingStrategy
 
 
 def _leaf_dict(tree: Any) -> dict[str, Any]:
@@ -584,9 +585,9 @@ def write_run_config(workdir: pathlib.Path, values: dict[str, Any], resuming: bo
     tmp.replace(path)
 
 
-def method_state(strategy: Any) -> dict[str, Any] | None:
+def method_state(strategy: BranchingStrategy) -> dict[str, Any] | None:
   """A snapshot of a strategy's learned state (TRACE's predictor), or None."""
-  return copy.deepcopy(strategy.state_dict()) if hasattr(strategy, "state_dict") else None
+  return copy.deepcopy(strategy.state_dict())
 
 
 def save_run(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any],
@@ -599,10 +600,13 @@ def save_run(ckpt: RunCheckpointer, step: int, state: Any, meta: dict[str, Any],
   ckpt.save(step, state, meta, extra=extra)
 
 
-def restore_method_state(strategy: Any, source: RunCheckpointer, meta: dict[str, Any]) -> None:
-  """Loads what `save_run` stored for the strategy (a checkpoint without it: nothing)."""
-  if not hasattr(strategy, "load_state_dict") or "method_state" not in meta:
+def restore_method_state(strategy: BranchingStrategy, source: RunCheckpointer,
+                         meta: dict[str, Any]) -> None:
+  """Loads what `save_run` stored for the strategy (a checkpoint without it, or a strategy
+  that learns nothing: nothing)."""
+  fresh = strategy.state_dict()  # the structure to restore into
+  if fresh is None or "method_state" not in meta:
     return
-  arrays = strategy.state_dict()["arrays"]  # a fresh state: the structure to restore into
+  arrays = fresh["arrays"]
   strategy.load_state_dict({"meta": meta["method_state"],
                             "arrays": source.restore_extra(arrays) if arrays else arrays})

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from tree_rl.algos import registry
-from tree_rl.algos.appo import APPOConfig
 from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
@@ -26,6 +25,7 @@ from tree_rl.rewards.reasoning import JUDGE_KINDS
 from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.pipeline import check_async
 from tree_rl.rollout.strategies import STRATEGIES
+from tree_rl.rollout.strategies.appo import branching_config
 from tree_rl.rollout.strategies.base import (GENERIC_FIELDS, check_generic_fields,
                                              check_strategy_options)
 from tree_rl.rollout.strategies.trace import check_predictor
@@ -562,13 +562,12 @@ class RunConfig:
   def _check_generic_fields(self) -> None:
     """rollout.samples_per_task and max_turns only where the strategy reads them, and equal
     to its own option for the same quantity where both are set (`check_generic_fields`).
-    The APPO strategy's N is its APPOConfig's n_init: the estimator's with estimator='appo'
-    (one config for the branching and the advantages, as the trainer builds it)."""
+    The APPO strategy's N is the n_init of the APPOConfig it branches with
+    (`strategies.appo.branching_config`, as the trainer builds it)."""
     r = self.rollout
     options = dict(r.strategy_kwargs)
     if r.strategy == "appo":
-      config = self._estimator if self.algo.estimator == "appo" else APPOConfig()
-      options["n_init"] = config.n_init
+      options["n_init"] = branching_config(self.algo.estimator, self._estimator).n_init
     defaults = {f: RolloutSpec.__dataclass_fields__[f].default for f in GENERIC_FIELDS}
     check_generic_fields(r.strategy, {f: getattr(r, f) for f in GENERIC_FIELDS}, defaults,
                          options)

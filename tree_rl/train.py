@@ -54,7 +54,8 @@ from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.pipeline import Produced, RolloutPipeline, VersionedEngine, staleness
 from tree_rl.rollout.policy import engine_policy, oracle_engine
 from tree_rl.rollout.strategies import make_predictor, make_strategy, model_scorer
-from tree_rl.rollout.strategies.base import strategy_options
+from tree_rl.rollout.strategies.appo import branching_config
+from tree_rl.rollout.strategies.base import BranchingStrategy, strategy_options
 from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
 
 EVAL_KEYS = ["accuracy", "mean_reward", "avg_tool_steps", "unanswerable_rate",
@@ -66,11 +67,10 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
   """The branching strategy with the run's group size and, for APPO, the current policy."""
   r, kw = cfg.rollout, strategy_options(cfg.rollout, cfg.seed)
   if r.strategy == "appo":
-    if cfg.algo.estimator == "appo":  # one APPOConfig for the branching and the advantages
-      kw.setdefault("config", estimator_config)
-    kw.setdefault("current_logprobs", model_scorer(
+    kw["config"] = branching_config(cfg.algo.estimator, estimator_config)
+    kw["current_logprobs"] = model_scorer(
         policy_model, Buckets(tokens=TOKEN_BUCKETS, trees=placement.tree_buckets()),
-        placement.place_batch))
+        placement.place_batch)
   elif r.strategy == "trace":  # the success predictor, by name, over the policy's vocabulary
     kw["predictor"] = make_predictor(kw.get("predictor", "running_mean"),
                                      vocab_size=policy_model.config.vocab_size, seed=cfg.seed,
@@ -78,7 +78,7 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
   return make_strategy(r.strategy, **kw)
 
 
-def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minibatches: int,
+def _appo_minibatch_step(agent: AgentLoop, strategy: BranchingStrategy, tasks: list, num_minibatches: int,
                          state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
                          key: jax.Array, timer: metrics_lib.PhaseTimer, version: Any,
                          note: Any = lambda text: None):
@@ -117,6 +117,25 @@ def _appo_minibatch_step(agent: AgentLoop, strategy: Any, tasks: list, num_minib
     trees = agent.close_forest(forest)
   m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
   return state, trees, bad, m, trained
+
+
+def _update_by_minibatch(state: ppo.TrainState, trees: list, num_minibatches: int, update: Any,
+                         pack_fn: Any, key: jax.Array, timer: metrics_lib.PhaseTimer):
+  """One epoch of PPO mini-batches, in tree order, each packed on its own (its own token
+  bucket) and updated in its own call. For an estimator whose advantages are per mini-batch
+  (`ppo.advantages_per_minibatch`) these are the updates of one call over the whole batch,
+  but no tree is padded to the step's longest, and a mini-batch with a non-finite update is
+  skipped alone. Returns (state, the bad trees dropped, metrics averaged over the calls)."""
+  parts, bad = [], []
+  for k, part in enumerate(np.array_split(np.arange(len(trees)), num_minibatches)):
+    batch, part_bad = pack_fn([trees[int(i)] for i in part])
+    bad += part_bad
+    if batch is not None:
+      with timer("update"):
+        state, m = update(state, batch, jax.random.fold_in(key, k))
+      parts.append(jax.device_get(m))
+  m = {k: np.mean([p[k] for p in parts]) for k in parts[0]} if parts else None
+  return state, bad, m
 
 
 def _check_vllm(cfg: RunConfig) -> str | None:
@@ -397,8 +416,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   # APPO as its paper reads: each PPO mini-batch's prompts are branched with the
   # policy after the previous mini-batch's update, then that mini-batch is trained
   # (one update per call); see _appo_minibatch_step.
-  per_minibatch = (getattr(strategy, "branch_timing", None) == "per_minibatch"
-                   and cfg.algo.num_minibatches > 1)
+  per_minibatch = strategy.branches_between_updates and cfg.algo.num_minibatches > 1
   if per_minibatch:
     if r.dynamic_sampling:  # a group's branches are sampled after an update: no filter before
       raise ValueError("config.rollout.dynamic_sampling drops a group on all its rewards before "
@@ -412,13 +430,17 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     if cfg.prompts_per_step % cfg.algo.num_minibatches:
       raise ValueError(f"config.prompts_per_step={cfg.prompts_per_step} does not split into "
                        f"algo.num_minibatches={cfg.algo.num_minibatches}")
-    minibatch_step = placement.update_step(
-        dataclasses.replace(ppo_config, num_minibatches=1), optimizer)
+  # Advantages per mini-batch (APPO), one epoch: each mini-batch is packed and updated on its
+  # own (_update_by_minibatch), so no tree is padded to the step's longest.
+  split_updates = (not per_minibatch and cfg.algo.num_minibatches > 1
+                   and cfg.algo.num_epochs == 1 and ppo.advantages_per_minibatch(ppo_config))
+  if per_minibatch or split_updates:
+    minibatch_step = fit.wrap(placement.update_step(
+        dataclasses.replace(ppo_config, num_minibatches=1), optimizer))
     minibatch_buckets = _buckets(
-        placement.trees_bucket(cfg.prompts_per_step // cfg.algo.num_minibatches))
-  # DAPO's dynamic sampling judges a group by the estimator's outcome channels.
-  mixed_channels = (dynamic_sampling.outcome_channels(ppo_config.estimator_config)
-                    if r.dynamic_sampling else None)
+        placement.trees_bucket(-(-cfg.prompts_per_step // cfg.algo.num_minibatches)))
+  # DAPO's dynamic sampling judges a group by the estimator's outcome reward.
+  mixed_channels = ppo_config.estimator_config.reward_channels if r.dynamic_sampling else None
 
   def timed(phase: str, fn, *args):
     with timer(phase):
@@ -554,7 +576,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         if per_minibatch:
           state, trees, bad, m, trained = _appo_minibatch_step(
               agent, strategy, produced.rollout, cfg.algo.num_minibatches, state,
-              fit.wrap(minibatch_step),
+              minibatch_step,
               lambda trees: timed("pack", pack_sound, trees, minibatch_buckets, unscored, vocab),
               sync_weights, update_key, timer, lambda: engine.published,
               lambda text: shown.note(step, text))
@@ -573,8 +595,14 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
             row["trace/effective_ratio"] = float(effective_ratio(batch))
           if batch is not None:
             shown.note(step, f"rollout of {len(got.trees)} trees done; updating")
-            with timer("update"):
-              state, m = update_step(state, batch, update_key)
+            if split_updates:
+              state, bad, m = _update_by_minibatch(
+                  state, got.train, cfg.algo.num_minibatches, minibatch_step,
+                  lambda trees: timed("pack", pack_sound, trees, minibatch_buckets, unscored,
+                                      vocab), update_key, timer)
+            else:
+              with timer("update"):
+                state, m = update_step(state, batch, update_key)
         meta["data_position"] = produced.data_position  # every prompt consumed: exact resume
         row.update(staleness(trained))
         row["rollout/bad_trees"] = float(len(bad))

@@ -209,10 +209,10 @@ def test_batch_clip_radius_and_padding_trees():
   assert m["awpo/frac_judge_missing"] == 0.0
 
 
-def test_outcome_channels_are_summed():
+def test_reward_channels_are_summed():
   # R_out = outcome + format = [1, 1.25, 1.5, 2] again, split over two channels.
   tree = flat([0.0, 0.25, 1.0, 1.0], [0.6] * 4, fmt=[1.0, 1.0, 0.5, 1.0])
-  cfg = AWPOConfig(outcome_channels=("outcome", "format"))
+  cfg = AWPOConfig(reward_channels=("outcome", "format"))
   _, adv = run([tree], cfg)
   np.testing.assert_allclose(leaf_adv(adv, 0, tree), 1.5 * zscore(R_OUT), rtol=1e-5)
 
@@ -257,13 +257,13 @@ def test_config_validation():
   with pytest.raises(ValueError, match="clip_min"):
     AWPOConfig(clip_min=0.3, clip_max=0.2)
   # Under the test suite's beartype hook a wrong type fails before __post_init__ does.
-  with pytest.raises((ValueError, TypeError), match="outcome_channels"):
-    AWPOConfig(outcome_channels="outcome")
+  with pytest.raises((ValueError, TypeError), match="reward_channels"):
+    AWPOConfig(reward_channels="outcome")
   with pytest.raises(ValueError, match="counts? it twice"):
-    AWPOConfig(outcome_channels=("outcome", "reasoning"))
+    AWPOConfig(reward_channels=("outcome", "reasoning"))
   with pytest.raises((ValueError, TypeError), match="dynamic_clip"):
     AWPOConfig(dynamic_clip="no")
-  cfg = registry.make_config("awpo", outcome_channels=("outcome", "format"), eps_mix=0.9)
+  cfg = registry.make_config("awpo", reward_channels=("outcome", "format"), eps_mix=0.9)
   assert cfg.eps_mix == 0.9 and hash(cfg) == hash(dataclasses.replace(cfg))
   with pytest.raises(KeyError, match="judge"):
     run([flat(R_OUT, [0.6] * 4)], AWPOConfig(reasoning_channel="judge"))

@@ -32,14 +32,14 @@ DEFAULT = portool.PORToolConfig()
 # Every numeric setting is an array input of portool_kernel, so all variant
 # configs share this one compile; the registered path (config static, one
 # compile per config) runs the default config and is checked against it.
-_KERNEL = jax.jit(portool.portool_kernel, static_argnames=("outcome_channel", "format_channel"))
+_KERNEL = jax.jit(portool.portool_kernel, static_argnames=("reward_channels", "format_channel"))
 
 
 def _advantages(batch, config, registered):
   if registered:
     return registry.compute_advantages("portool", batch, config)
   return _KERNEL(batch, portool.PORToolParams.from_config(config),
-                 outcome_channel=config.outcome_channel, format_channel=config.format_channel)
+                 reward_channels=config.reward_channels, format_channel=config.format_channel)
 
 
 def _run(trees, config=DEFAULT, registered=None):

@@ -151,6 +151,53 @@ def test_lora_trains_adapters_only_and_appo_runs_inside_minibatches():
   assert "adv/omega_mean" in hist[0]
 
 
+def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
+  # APPO's advantages are per mini-batch (they read the current policy), so the trainer packs
+  # and updates each mini-batch on its own (train._update_by_minibatch): no tree is padded
+  # to the step's longest. That must be the same update as one call over the padded batch.
+  from tree_rl import metrics as metrics_lib
+  from tree_rl.train import _update_by_minibatch
+  rng, trees = np.random.default_rng(3), []
+  while len(trees) < 4:  # trees whose initial rollouts differ in reward: non-zero advantages
+    tree = random_tree(rng, appo=True)
+    if len({leaf.rewards["outcome"] for leaf in tree.leaves if leaf.tag == LeafTag.INIT}) > 1:
+      trees.append(tree)
+  opt = optax.sgd(0.5)
+  model = Decoder(CFG, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4))
+  config = ppo.PPOConfig(estimator="appo", num_epochs=1, num_minibatches=2, logprob_chunk=64)
+  assert ppo.advantages_per_minibatch(config)
+  assert not ppo.advantages_per_minibatch(ppo.PPOConfig(estimator="grpo"))
+  one_call = jax.jit(ppo.make_update_step(config, opt))
+  per_part = jax.jit(ppo.make_update_step(
+      ppo.PPOConfig(estimator="appo", num_epochs=1, num_minibatches=1, logprob_chunk=64), opt))
+  sizes = tuple(range(8, 257, 8))
+  whole = pack(trees, Buckets(tokens=sizes, trees=(4,)))
+  key = jax.random.key(7)
+  state = ppo.init_state(model, opt)
+  want, _ = one_call(state, whole, key)
+  # The padded call's mini-batches, in its order: a permutation keyed by (key, state.step).
+  order = np.asarray(jax.random.permutation(
+      jax.random.split(jax.random.fold_in(key, state.step), 1)[0], 4))
+  part_buckets = Buckets(tokens=sizes, trees=(2,))
+  got, bad, m = _update_by_minibatch(
+      ppo.init_state(model, opt), [trees[i] for i in order], 2, per_part,
+      lambda ts: (pack(ts, part_buckets), []), key, metrics_lib.PhaseTimer())
+  assert not bad and np.isfinite(m["loss"]) and m["l2_updates"] > 0
+  assert whole.tokens.shape[1] > min(  # the parts are packed smaller than the whole
+      pack([trees[i] for i in order[:2]], part_buckets).tokens.shape[1],
+      pack([trees[i] for i in order[2:]], part_buckets).tokens.shape[1])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               jax.device_get(want.params), jax.device_get(got.params))
+  # The order matters (the second mini-batch sees the first one's update), so the check
+  # above would catch a trainer that updated the mini-batches in another order.
+  swapped, _, _ = _update_by_minibatch(
+      ppo.init_state(model, opt), [trees[i] for i in order[::-1]], 2, per_part,
+      lambda ts: (pack(ts, part_buckets), []), key, metrics_lib.PhaseTimer())
+  assert max(jax.tree.leaves(jax.tree.map(
+      lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+      jax.device_get(want.params), jax.device_get(swapped.params)))) > 1e-3
+
+
 def test_bad_config_names_valid_estimators():
   with pytest.raises(ValueError, match="grpo"):
     ppo.PPOConfig(estimator="gpro")

@@ -33,7 +33,7 @@ def _z(x, mean, std, eps):
 
 
 def _reward(tree, k, config):
-  return float(tree.leaves[k].rewards[config.outcome_channel])
+  return float(sum(tree.leaves[k].rewards.get(c, 0.0) for c in config.reward_channels))
 
 
 def group_zscores(tree: RolloutTree, config):

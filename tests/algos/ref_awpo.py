@@ -77,7 +77,7 @@ def group(r_out, r_reason, cfg) -> dict:
 
 
 def leaf_rewards(tree: RolloutTree, cfg):
-  r_out = [sum(leaf.rewards.get(c, 0.0) for c in cfg.outcome_channels) for leaf in tree.leaves]
+  r_out = [sum(leaf.rewards.get(c, 0.0) for c in cfg.reward_channels) for leaf in tree.leaves]
   r_reason = [leaf.rewards.get(cfg.reasoning_channel, 0.0) for leaf in tree.leaves]
   return r_out, r_reason
 

@@ -65,7 +65,7 @@ def reference(tree: RolloutTree, config) -> np.ndarray:
   for s in steps_of:
     for t, i in enumerate(s, start=1):
       depth[i] = t
-  r_out = [leaf.rewards.get(config.outcome_channel, 0.0) for leaf in leaves]
+  r_out = [sum(leaf.rewards.get(c, 0.0) for c in config.reward_channels) for leaf in leaves]
 
   def r_fm(i):
     raw = nodes[i].rewards.get(config.format_channel, 0.0)

@@ -131,14 +131,18 @@ def test_is_mixed_is_dapo_keep_mask_on_the_host():
   assert not ds.is_mixed(RolloutTree.new([1, 2]), ("outcome",))  # no leaf
 
 
-def test_every_estimator_names_its_outcome_channels():
+def test_every_estimator_names_its_outcome_reward_channels_one_way():
   for name in registry.registered():
     config = registry.make_config(name)
-    assert ds.outcome_channels(config) == ("outcome",), name
+    assert config.reward_channels == ("outcome",), name
+    with pytest.raises((ValueError, TypeError), match="reward_channels"):
+      registry.make_config(name, reward_channels=())
   awpo = registry.make_config("awpo")  # the judge's channel is not an outcome
-  assert awpo.reasoning_channel not in ds.outcome_channels(awpo)
-  with pytest.raises(ValueError, match="names no outcome reward channel"):
-    ds.outcome_channels(object())
+  assert awpo.reasoning_channel not in awpo.reward_channels
+  # A config without the field cannot be registered.
+  with pytest.raises(TypeError, match="NoChannels .* has no reward_channels"):
+    registry.register(registry.AdvEstimator.GRPO,
+                      dataclasses.make_dataclass("NoChannels", [("x", int)]))
 
 
 # ----------------------------------------------------------------------------

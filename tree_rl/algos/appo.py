@@ -78,7 +78,7 @@ class APPOConfig:
   first_minibatch_fallback: str = "entropy"  # docs/methods/appo.md#first-minibatch-fallback
   std_ddof: int = 0  # population std (docs/methods/appo.md#zero-spread-z-scores).
   std_eps: float = 1e-6  # reward z-score eps (docs/methods/appo.md#zero-spread-z-scores).
-  outcome_channel: str = "outcome"  # leaf reward channel of R_n (our choice).
+  reward_channels: tuple[str, ...] = ("outcome",)  # leaf channels summed into R_n (our choice)
 
   def __post_init__(self):
     if not isinstance(self.n_init, int) or self.n_init < 1:
@@ -116,9 +116,7 @@ class APPOConfig:
       raise ValueError(f"APPOConfig.std_ddof must be 0 or 1, got {self.std_ddof!r}")
     if not math.isfinite(self.std_eps) or self.std_eps < 0:
       raise ValueError(f"APPOConfig.std_eps must be finite and >= 0, got {self.std_eps!r}")
-    if not isinstance(self.outcome_channel, str) or not self.outcome_channel:
-      raise ValueError(
-          f"APPOConfig.outcome_channel must be a channel name, got {self.outcome_channel!r}")
+    registry.check_reward_channels("APPOConfig", self.reward_channels)
 
   @property
   def gamma(self) -> float:
@@ -628,7 +626,7 @@ def _stats(r: Float[Array, "B K"], mask: Bool[Array, "B K"], ddof: int):
 
 
 def _groups(batch: TreeBatch, st: TreeStructure, config: APPOConfig) -> _Groups:
-  r = batch.leaf_rewards(config.outcome_channel)
+  r = batch.leaf_rewards(*config.reward_channels)
   is_init = _init_leaves(batch, st)
   is_branch = st.leaf_valid & (batch.leaf_tag == int(LeafTag.BRANCH))
   mu_i, sd_i, n_i = _stats(r, is_init, config.std_ddof)
@@ -787,7 +785,7 @@ def appo_advantages(
   n_scaled = jnp.maximum(jnp.where(fut.init_count == 1, policy_tokens, 0).sum(), 1)
   omega_sum, n_outside = _token_sums(
       jnp.where(scaled, omega, 0.0), (((omega < lo) | (omega > hi)) & scaled).astype(jnp.int32))
-  r = batch.leaf_rewards(config.outcome_channel)
+  r = batch.leaf_rewards(*config.reward_channels)
   metrics = {
       "omega_mean": omega_sum / n_scaled,
       "fut_clip_frac": n_outside / n_scaled,

@@ -9,7 +9,7 @@ estimator (docs/methods/awpo.md#group-on-a-tree). Every leaf gets one sequence-l
 shared by all policy tokens of its path (`Advantages.from_leaf_values`), so a prefix shared
 by several leaves gets each leaf's advantage in that leaf's sequence.
 
-Per group g with rewards R_out (sum of `outcome_channels`) and R_mix = R_out + R_reason:
+Per group g with rewards R_out (sum of `reward_channels`) and R_mix = R_out + R_reason:
 
   mean_*, sd_*   population statistics, 1/K                                 (eqs. 21-23)
   gate_g  = sd_mix / (sd_out + sd_mix + eps_std)                              (eq. 24)
@@ -56,7 +56,7 @@ class AWPOConfig:
 
   # Leaf channels summed into R_out (eq. 14). The host already writes format + execution
   # match into "outcome" (tree_rl.rewards.awpo_outcome_reward).
-  outcome_channels: tuple[str, ...] = ("outcome",)
+  reward_channels: tuple[str, ...] = ("outcome",)
   # Leaf channel holding the judge score R_reason in [0, 1] (eq. 20). A non-finite value
   # marks a missing judge score (its group falls back to the outcome alone).
   reasoning_channel: str = "reasoning"
@@ -82,19 +82,14 @@ class AWPOConfig:
   dynamic_clip: bool = True
 
   def __post_init__(self):
-    chans = self.outcome_channels
-    # A tuple, not a list: the config is a static, hashed jit argument.
-    if not (isinstance(chans, tuple) and chans and all(isinstance(c, str) for c in chans)):
-      raise ValueError(
-          f"AWPOConfig.outcome_channels must be a non-empty tuple of channel names, got"
-          f" {chans!r}")
+    registry.check_reward_channels("AWPOConfig", self.reward_channels)
     if not isinstance(self.reasoning_channel, str):
       raise ValueError(
           f"AWPOConfig.reasoning_channel must be a channel name, got {self.reasoning_channel!r}")
-    if self.reasoning_channel in self.outcome_channels:
+    if self.reasoning_channel in self.reward_channels:
       raise ValueError(
           f"AWPOConfig.reasoning_channel {self.reasoning_channel!r} is also in"
-          f" outcome_channels {self.outcome_channels}; R_mix would count it twice")
+          f" reward_channels {self.reward_channels}; R_mix would count it twice")
     for name in ("eps_adv", "eps_std", "eps_mix"):
       if not getattr(self, name) > 0:
         raise ValueError(f"AWPOConfig.{name} must be > 0, got {getattr(self, name)}")
@@ -122,7 +117,7 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
   """AWPO eqs. 21-29 with one group per tree (all of its leaves).
 
   Args:
-    batch: B trees; leaf rewards in `config.outcome_channels` and `config.reasoning_channel`.
+    batch: B trees; leaf rewards in `config.reward_channels` and `config.reasoning_channel`.
     config: AWPOConfig (static under jit).
 
   Returns:
@@ -147,7 +142,7 @@ def awpo_advantages(batch: TreeBatch, config: AWPOConfig) -> Advantages:
   def zscore(x):  # eq. 26; exactly 0 for a group without spread
     return segment.segment_zscore(x, gid, 1, ddof=0, eps=config.eps_adv)
 
-  r_out = batch.leaf_rewards(*config.outcome_channels)  # [B, K]
+  r_out = batch.leaf_rewards(*config.reward_channels)  # [B, K]
   # A non-finite judge score is missing. It is filled with the mean of the group's
   # present scores (any finite value would do: such a group gets w_g = 0 below, and only
   # its A_mix, which is then multiplied by 0, sees the fill; a NaN times 0 is still NaN).

@@ -24,7 +24,8 @@ import enum
 import jax
 import jax.numpy as jnp
 
-from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice, register
+from tree_rl.algos.registry import (AdvEstimator, Advantages, check_choice,
+                                    check_reward_channels, register)
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure, structure
@@ -38,9 +39,7 @@ class CenteredConfig:
   reward_channels: tuple[str, ...] = ("outcome",)  # summed into the leaf reward
 
   def __post_init__(self):
-    if not self.reward_channels:
-      raise ValueError(
-          f"{type(self).__name__}.reward_channels must name at least one leaf reward channel")
+    check_reward_channels(type(self).__name__, self.reward_channels)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,8 @@ import dataclasses
 import flax.struct
 import jax.numpy as jnp
 
-from tree_rl.algos.registry import AdvEstimator, Advantages, check_choice, register
+from tree_rl.algos.registry import (AdvEstimator, Advantages, check_choice,
+                                    check_reward_channels, register)
 from tree_rl.tree import segment
 from tree_rl.tree.batch import TreeBatch
 from tree_rl.tree.derived import TreeStructure, structure
@@ -74,7 +75,7 @@ class PORToolConfig:
   std_ddof: int = 0  # population std (docs/methods/portool.md#z-score-convention)
   std_eps: float = 1e-6  # verl's epsilon (docs/methods/portool.md#z-score-convention)
   omega_mode: str = "theorem"  # §4.3.2 ablations: theorem | traj_only | fork_only | no_scale
-  outcome_channel: str = "outcome"  # leaf channel of R_out (our choice)
+  reward_channels: tuple[str, ...] = ("outcome",)  # leaf channels summed into R_out (ours)
   format_channel: str = "format"  # node channel of the rubric (our choice)
 
   def __post_init__(self):
@@ -92,9 +93,10 @@ class PORToolConfig:
     for name in ("format_is_raw", "root_is_fork"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"PORToolConfig.{name}={getattr(self, name)!r} must be a bool")
-    for name in ("outcome_channel", "format_channel"):
-      if not isinstance(getattr(self, name), str) or not getattr(self, name):
-        raise ValueError(f"PORToolConfig.{name} must name a reward channel")
+    check_reward_channels("PORToolConfig", self.reward_channels)
+    if not isinstance(self.format_channel, str) or not self.format_channel:
+      raise ValueError(f"PORToolConfig.format_channel must name a reward channel, got "
+                       f"{self.format_channel!r}")
 
 
 @flax.struct.dataclass
@@ -239,7 +241,7 @@ def step_rewards(
 def portool_kernel(
     batch: TreeBatch,
     params: PORToolParams,
-    outcome_channel: str = "outcome",
+    reward_channels: tuple[str, ...] = ("outcome",),
     format_channel: str = "format",
 ) -> Advantages:
   """PORTool's per-(step, trajectory) advantage (Eq. 3 with Theorem 3.1).
@@ -257,10 +259,10 @@ def portool_kernel(
   traj_only (1, 0), fork_only (0, Thm 3.1), no_scale (1, 1).
 
   Args:
-    batch: packed trees; leaf channel `outcome_channel` holds R_out and node
-      channel `format_channel` the rubric of each step.
+    batch: packed trees; R_out is the sum of the leaf channels `reward_channels`, and
+      node channel `format_channel` holds the rubric of each step.
     params: the numeric settings (`PORToolParams.from_config`).
-    outcome_channel, format_channel: channel names (static).
+    reward_channels, format_channel: channel names (static).
 
   Returns:
     Advantages with node_leaf [B, N, K] (0 off-path, on prompt/env nodes and
@@ -274,7 +276,7 @@ def portool_kernel(
   ddof, eps = params.std_ddof, params.std_eps
 
   # Step 3 of the method: trajectory- and fork-relative advantages (§3.2 Step 3).
-  r_out = batch.leaf_rewards(outcome_channel)
+  r_out = batch.leaf_rewards(*reward_channels)
   a_trj = group_zscore(r_out, st.leaf_valid[:, :, None], ddof, eps)  # [B, K]
   m_count = st.num_leaves_under.astype(jnp.float32)  # |m(s)|
   trj_mean = jnp.einsum("bnk,bk->bn", st.leaves_under.astype(jnp.float32), a_trj)
@@ -313,7 +315,7 @@ def portool_kernel(
 @register(AdvEstimator.PORTOOL, PORToolConfig)
 def portool_advantages(batch: TreeBatch, config: PORToolConfig) -> Advantages:
   """The registered PORTool estimator: `portool_kernel` under `config`."""
-  return portool_kernel(batch, PORToolParams.from_config(config), config.outcome_channel,
+  return portool_kernel(batch, PORToolParams.from_config(config), config.reward_channels,
                         config.format_channel)
 
 

@@ -94,6 +94,13 @@ def _global_norm(tree) -> jax.Array:
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
 
 
+def advantages_per_minibatch(config: PPOConfig) -> bool:
+  """True when the estimator reads the current policy (APPO: log-probs and entropies), so
+  that `update_step` computes each mini-batch's advantages from that mini-batch alone, with
+  the policy of the moment (no statistic spans the mini-batches)."""
+  return config.estimator is not None and bool(registry.get(config.estimator).inputs)
+
+
 def make_update_step(config: PPOConfig, optimizer: optax.GradientTransformation):
   """The pure `update_step(state, batch, rng, advantages=None) -> (state, metrics)`."""
   entry = registry.get(config.estimator) if config.estimator is not None else None

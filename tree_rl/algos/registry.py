@@ -128,6 +128,16 @@ def check_choice(owner: str, name: str, value, valid) -> None:
     raise ValueError(f"{owner}.{name}={value!r} is not valid; choose one of {list(valid)}")
 
 
+def check_reward_channels(owner: str, channels) -> None:
+  """`owner.reward_channels`, the leaf reward channels an estimator sums into its outcome
+  reward R, must be a non-empty tuple of names (a tuple: configs are static, hashed jit
+  arguments)."""
+  if not (isinstance(channels, tuple) and channels
+          and all(isinstance(c, str) and c for c in channels)):
+    raise ValueError(f"{owner}.reward_channels must be a non-empty tuple of leaf reward "
+                     f"channel names, got {channels!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Registered:
   name: AdvEstimator
@@ -140,7 +150,13 @@ _REGISTRY: dict[AdvEstimator, Registered] = {}
 
 
 def register(name: AdvEstimator, config_cls: type, inputs: tuple[str, ...] = ()):
-  """Decorator: registers `fn(batch, config, **inputs) -> Advantages`."""
+  """Decorator: registers `fn(batch, config, **inputs) -> Advantages`.
+
+  Every estimator's config names the leaf reward channels its outcome reward R sums, in a
+  field `reward_channels` (dynamic sampling and the logs read R through it).
+  """
+  if "reward_channels" not in {f.name for f in dataclasses.fields(config_cls)}:
+    raise TypeError(f"{config_cls.__name__} (estimator {name!s}) has no reward_channels field")
 
   def deco(fn):
     if name in _REGISTRY:

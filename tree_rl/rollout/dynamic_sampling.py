@@ -19,8 +19,8 @@ rounds are bounded by `max_extra_rounds` (our addition: the paper's loop never e
 on a policy that solves every prompt or none). When the bound is hit the step keeps
 the mixed groups it has, with a warning; with none, the trainer skips the update.
 
-The keep rule is `tree_rl.algos.grpo.dapo_keep_mask`'s: the summed outcome channels
-of the estimator (before DAPO's length shaping, `outcome_channels`) differ by more
+The keep rule is `tree_rl.algos.grpo.dapo_keep_mask`'s: the summed leaf reward
+channels of the estimator (its `reward_channels`: R before DAPO's length shaping) differ by more
 than `segment.STD_FLOOR` between some two leaves. `is_mixed` applies it to
 RolloutTrees on the host, before packing, so dropping a group costs no compile.
 
@@ -42,22 +42,6 @@ from tree_rl.tree import segment
 from tree_rl.tree.rollout_tree import RolloutTree
 
 PREFIX = "rollout/dynamic_sampling/"
-
-
-def outcome_channels(estimator_config: Any) -> tuple[str, ...]:
-  """The leaf reward channels an estimator's outcome reward sums (its R before shaping).
-
-  The z-scoring and centring estimators name them `reward_channels`, AWPO
-  `outcome_channels` (its judge channel is not an outcome), APPO and PORTool one
-  `outcome_channel`.
-  """
-  for name in ("reward_channels", "outcome_channels"):
-    if hasattr(estimator_config, name):
-      return tuple(getattr(estimator_config, name))
-  if hasattr(estimator_config, "outcome_channel"):
-    return (estimator_config.outcome_channel,)
-  raise ValueError(f"{type(estimator_config).__name__} names no outcome reward channel "
-                   f"(reward_channels, outcome_channels or outcome_channel)")
 
 
 def is_mixed(tree: RolloutTree, channels: Sequence[str]) -> bool:
@@ -183,7 +167,7 @@ class StepRollout:
     `RolloutStats` and the strategy's `last_metrics`, every tree trained on."""
     return cls(trees=trees, train=trees, prompts=prompts, episodes=stats.num_episodes,
                truncated=stats.num_truncated, policy_tokens=stats.num_policy_tokens,
-               strategy_metrics=dict(getattr(strategy, "last_metrics", {})))
+               strategy_metrics=dict(strategy.last_metrics))
 
   def metrics(self) -> dict[str, float]:
     """rollout/truncated_frac, rollout/policy_tokens, the strategy's metrics and, with
@@ -235,7 +219,7 @@ def rollout_step(agent: Any, tasks: Callable[[int, int], Sequence[Any]], target:
     totals["episodes"] += s.num_episodes
     totals["truncated"] += s.num_truncated
     totals["policy_tokens"] += s.num_policy_tokens
-    rounds.append((len(trees), dict(getattr(agent.strategy, "last_metrics", {}))))
+    rounds.append((len(trees), dict(agent.strategy.last_metrics)))
     return trees
 
   if channels is None:

@@ -14,6 +14,7 @@ recomputes, so importance ratios start at 1 when sampling at temperature 1.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
@@ -135,18 +136,21 @@ class RolloutEngine(Protocol):
     ...
 
 
-class ScriptedEngine:
-  """A mock RolloutEngine for tests: `script(context tokens) -> text` decides each step.
+class TextEngine(abc.ABC):
+  """A RolloutEngine that writes each step as text (`text(request)`), with no model.
 
   The text is tokenized and followed by `eos_id` (when given). Log-probs are
-  those of a policy that is certain of its script (0), entropies 0.
+  those of a policy that is certain of its text (0), entropies 0.
   """
 
-  def __init__(self, script: Callable[[tuple[int, ...]], str], tokenizer: Any,
-               eos_id: int | None = None):
-    self.script, self.tokenizer, self.eos_id = script, tokenizer, eos_id
+  def __init__(self, tokenizer: Any, eos_id: int | None = None):
+    self.tokenizer, self.eos_id = tokenizer, eos_id
     self.requests: list[GenerationRequest] = []
     self.weight_updates = 0
+
+  @abc.abstractmethod
+  def text(self, req: GenerationRequest) -> str:
+    """The step `req` gets."""
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
     out = []
@@ -163,10 +167,19 @@ class ScriptedEngine:
                                   prefill_tokens=len(req.tokens)))
     return out
 
-  def text(self, req: GenerationRequest) -> str:
-    """The step `req` gets: `script(req.tokens)`."""
-    return self.script(req.tokens)
-
   def update_weights(self, params: Any) -> None:
-    del params  # a script has no weights; the count lets tests check the sync happened
+    del params  # no weights; the count lets tests check the sync happened
     self.weight_updates += 1
+
+
+class ScriptedEngine(TextEngine):
+  """A mock RolloutEngine for tests: `script(context tokens) -> text` decides each step."""
+
+  def __init__(self, script: Callable[[tuple[int, ...]], str], tokenizer: Any,
+               eos_id: int | None = None):
+    super().__init__(tokenizer, eos_id)
+    self.script = script
+
+  def text(self, req: GenerationRequest) -> str:
+    """`script(req.tokens)`."""
+    return self.script(req.tokens)

@@ -249,7 +249,7 @@ class Worker:
     sampled from the key whose `jax.random.key_data` is `key_data`."""
     self.agent.engine.reseed(jax.random.wrap_key_data(np.asarray(key_data)))
     trees = self.agent.rollout(list(tasks))
-    return trees, self.agent.last_stats, dict(getattr(self.agent.strategy, "last_metrics", {}))
+    return trees, self.agent.last_stats, dict(self.agent.strategy.last_metrics)
 
 
 @dataclasses.dataclass

@@ -3,7 +3,7 @@
 `engine_policy` turns a RolloutEngine into the batched `policy(conversations) ->
 step texts` that `tree_rl.evaluate.evaluate` drives (the conversation is rendered
 with the chat template each turn; the engine's prefix reuse keeps that cheap).
-`oracle_engine` is a ScriptedEngine that writes each task's oracle steps: the
+`oracle_engine` is a TextEngine that writes each task's oracle steps: the
 SFT warm start grows its training trees with it, so SFT trees are tokenized and
 masked exactly like RL trees.
 """
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from tree_rl.envs.base import Message, Task
 from tree_rl.rollout.chat import ChatFormat
-from tree_rl.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams, ScriptedEngine
+from tree_rl.rollout.engine import GenerationRequest, RolloutEngine, SamplingParams, TextEngine
 
 
 def engine_policy(engine: RolloutEngine, chat: ChatFormat, params: SamplingParams):
@@ -27,7 +27,7 @@ def engine_policy(engine: RolloutEngine, chat: ChatFormat, params: SamplingParam
   return policy
 
 
-def oracle_engine(tasks: Sequence[Task], chat: ChatFormat) -> ScriptedEngine:
+def oracle_engine(tasks: Sequence[Task], chat: ChatFormat) -> TextEngine:
   """An engine whose step for a request is the oracle's next step for the request's task.
 
   The task is the request's `task_id` (the agent loop sets it), the turn the number of
@@ -36,19 +36,15 @@ def oracle_engine(tasks: Sequence[Task], chat: ChatFormat) -> ScriptedEngine:
   return _OracleEngine(tasks, chat)
 
 
-class _OracleEngine(ScriptedEngine):
-  """`oracle_engine`'s ScriptedEngine: answers each request by its task id."""
+class _OracleEngine(TextEngine):
+  """`oracle_engine`'s engine: answers each request by its task id."""
 
   def __init__(self, tasks: Sequence[Task], chat: ChatFormat):
-    super().__init__(self._no_context_script, chat.tokenizer, eos_id=chat.tokenizer.eos_token_id)
+    super().__init__(chat.tokenizer, eos_id=chat.tokenizer.eos_token_id)
     self.chat = chat
     self.by_id = {str(t.task_id): t for t in tasks}
     self.prompt_turns = {str(t.task_id): chat.decode(chat.prompt_tokens(t.messages)).count(
         chat.assistant_header) for t in tasks}
-
-  @staticmethod
-  def _no_context_script(context: tuple[int, ...]) -> str:
-    raise ValueError("oracle_engine answers a request by its task_id, not by its context alone")
 
   def text(self, req: GenerationRequest) -> str:
     task = self.by_id.get(req.task_id) if req.task_id is not None else None

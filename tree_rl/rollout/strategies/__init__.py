@@ -15,7 +15,7 @@ from tree_rl.rollout.strategies.appo import APPOStrategy, NodeArrays, behaviour_
 from tree_rl.rollout.strategies.arpo import ARPOStrategy
 from tree_rl.rollout.strategies.trace import (PREDICTORS, RunningMeanPredictor, SuccessPredictor,
                                               TRACEStrategy, make_predictor)
-from tree_rl.rollout.strategies.treepo import RandomStrategy
+from tree_rl.rollout.strategies.random_points import RandomStrategy
 
 __all__ = ["APPOStrategy", "ARPOStrategy", "BranchingStrategy", "FlatStrategy", "NodeArrays",
            "PORToolStrategy", "PREDICTORS", "RandomStrategy", "RunningMeanPredictor", "STRATEGIES",

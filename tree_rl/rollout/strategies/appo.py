@@ -46,7 +46,7 @@ import numpy as np
 from tree_rl.algos.appo import (APPOConfig, branching_metrics, branching_score,
                                 select_branch_points)
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import register
+from tree_rl.rollout.strategies.base import BranchingStrategy, register
 from tree_rl.tree.batch import Buckets, TreeBatch, pack
 from tree_rl.tree.rollout_tree import Node, RolloutTree
 from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag, NodeKind
@@ -154,9 +154,16 @@ def _top_points(batch: TreeBatch, logp: Float[Array, "B L"], entropy: Float[Arra
   return points, branching_metrics(score, logged), n_rollouts
 
 
+def branching_config(estimator: str, estimator_config: Any) -> APPOConfig:
+  """The APPOConfig the APPO strategy branches with in a run whose advantage estimator is
+  `estimator`: with APPO's own estimator, that estimator's (one config for the branching and
+  the advantages, so N = n_init and the scoring options agree); else APPO's defaults."""
+  return estimator_config if estimator == "appo" else APPOConfig()
+
+
 @register("appo")
 @dataclasses.dataclass
-class APPOStrategy:
+class APPOStrategy(BranchingStrategy):
   """Attributes:
     config: APPOConfig: n_init = N (4), budget = M (16), so B = M/N - 1 = 3
       (APPO App. C); fut_clip [1, 1.2], tau_half 32, bs_mode, the sign filter and
@@ -196,6 +203,10 @@ class APPOStrategy:
 
   def leaves_per_task(self) -> int | None:
     return self.config.budget
+
+  @property
+  def branches_between_updates(self) -> bool:
+    return self.branch_timing == "per_minibatch"
 
   @property
   def last_metrics(self) -> dict[str, float]:

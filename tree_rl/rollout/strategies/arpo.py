@@ -43,13 +43,13 @@ from typing import ClassVar
 import numpy as np
 
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import register
+from tree_rl.rollout.strategies.base import BranchingStrategy, register
 from tree_rl.tree.types import LeafTag
 
 
 @register("arpo")
 @dataclasses.dataclass
-class ARPOStrategy:
+class ARPOStrategy(BranchingStrategy):
   """Attributes:
     budget: M, the global rollout size per prompt (16 in ARPO's scripts, with N = 8);
       None: 2N.

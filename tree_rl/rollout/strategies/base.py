@@ -1,4 +1,4 @@
-"""The BranchingStrategy protocol and the registry of strategies by name.
+"""The BranchingStrategy base class and the registry of strategies by name.
 
 A strategy decides how one `AgentLoop.rollout` call grows its trees: how many
 episodes start at each prompt, when and where they fork (between turns, or at a
@@ -6,6 +6,10 @@ token position inside a step) and when growth stops. It only drives a
 `tree_rl.rollout.branching.Forest` (start / step / fork / branch_at / run);
 the Forest owns the engine calls, the tools and the tree bookkeeping, so every
 strategy gets the same endings, tags and `check()`-clean trees.
+
+Every strategy subclasses `BranchingStrategy`, which says all that the trainer, the
+checkpoint and the logs may ask of one, with defaults for what most strategies lack
+(logs, learned state, branching between updates).
 
 Strategies register under the name a config uses (`make_strategy("portool",
 fork_factor=3)`); an unknown name fails with the list of valid ones.
@@ -20,33 +24,54 @@ read it, or set to one value while the strategy's option says another.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 from tree_rl.rollout.branching import Forest
 
 
-@runtime_checkable
-class BranchingStrategy(Protocol):
+class BranchingStrategy(abc.ABC):
   """How the trees of one rollout call grow.
 
   Attributes:
-    name: the registry name.
+    name: the registry name (set by `register`).
     generic_fields: the `GENERIC_FIELDS` it reads, each -> its own option for that
       quantity ("" when the agent loop reads the field itself).
   """
 
-  name: str
+  name: ClassVar[str] = ""
   generic_fields: ClassVar[Mapping[str, str]]
 
+  @abc.abstractmethod
   def grow(self, forest: Forest) -> None:
     """Grows every tree of `forest`; every branch started must end (or be discarded)."""
-    ...
 
+  @abc.abstractmethod
   def leaves_per_task(self) -> int | None:
     """Leaves each tree gets when nothing is dropped (the rollout budget), None if it varies."""
-    ...
+
+  @property
+  def branches_between_updates(self) -> bool:
+    """True when the trainer is to grow a step's trees in parts: `initial(forest)` before
+    the step's updates, then `branch(forest, trees)` for each PPO mini-batch's trees with
+    the policy after the previous mini-batch's update (APPO's per-mini-batch timing)."""
+    return False
+
+  @property
+  def last_metrics(self) -> Mapping[str, float]:
+    """Logs of the last rollout call, which the trainer writes each step (none here)."""
+    return {}
+
+  def state_dict(self) -> dict[str, Any] | None:
+    """What the strategy learns during a run (TRACE's success predictor), saved with each
+    checkpoint as {"meta": JSON, "arrays": arrays or None}; None: nothing is learned."""
+    return None
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    """Loads what `state_dict` returned."""
+    raise ValueError(f"strategy {self.name!r} learns no state, so it loads none")
 
 
 STRATEGIES: dict[str, type] = {}
@@ -62,6 +87,8 @@ def register(name: str) -> Callable[[type], type]:
   def wrap(cls: type) -> type:
     if name in STRATEGIES:
       raise ValueError(f"strategy {name!r} is already registered")
+    if not issubclass(cls, BranchingStrategy):
+      raise TypeError(f"strategy {name!r} must subclass BranchingStrategy")
     unknown = sorted(set(getattr(cls, "generic_fields", ())) - set(GENERIC_FIELDS))
     if not hasattr(cls, "generic_fields") or unknown:
       raise TypeError(f"strategy {name!r} must declare generic_fields, a mapping from some "

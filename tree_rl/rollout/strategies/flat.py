@@ -14,12 +14,12 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from tree_rl.rollout.branching import Forest
-from tree_rl.rollout.strategies.base import register
+from tree_rl.rollout.strategies.base import BranchingStrategy, register
 
 
 @register("flat")
 @dataclasses.dataclass
-class FlatStrategy:
+class FlatStrategy(BranchingStrategy):
   """Attributes:
     n: episodes per prompt, the group size (8: the flat GRPO baseline of TRACE
       and PORTool's n; DAPO uses 16).

@@ -28,12 +28,12 @@ from typing import ClassVar
 import numpy as np
 
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import register
+from tree_rl.rollout.strategies.base import BranchingStrategy, register
 
 
 @register("portool")
 @dataclasses.dataclass
-class PORToolStrategy:
+class PORToolStrategy(BranchingStrategy):
   """Attributes:
     n: trajectories per query (8, PORTool §4.1).
     fork_factor: f, copies per open trajectory before selection (not given in the

@@ -54,7 +54,7 @@ import numpy as np
 from tree_rl.algos.trace import allocate_prefixes, allocate_roots, flip_probability
 from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor, supervision_examples
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import register
+from tree_rl.rollout.strategies.base import BranchingStrategy, register
 from tree_rl.tree.rollout_tree import RolloutTree
 from tree_rl.tree.types import LeafTag, NodeKind
 
@@ -193,7 +193,7 @@ def make_predictor(name: str, *, vocab_size: int, seed: int = 0, **kwargs: Any
 
 @register("trace")
 @dataclasses.dataclass
-class TRACEStrategy:
+class TRACEStrategy(BranchingStrategy):
   """Attributes:
     roots_per_task: M / #prompts (2.0: the paper's M = 1024 roots for 512
       candidates, and 512 for 256).
@@ -219,13 +219,17 @@ class TRACEStrategy:
   continuation_cost: float = 0.5
   predictor: SuccessPredictor | None = None
   update_predictor: bool = True
-  last_metrics: dict[str, float] = dataclasses.field(default_factory=dict, init=False)
+  _logs: dict[str, float] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
   def __post_init__(self):
     if self.roots_per_task <= 0 or self.continuations_per_root < 0:
       raise ValueError("TRACEStrategy: roots_per_task must be > 0 and continuations_per_root >= 0")
     if self.predictor is None:
       self.predictor = RunningMeanPredictor()
+
+  @property
+  def last_metrics(self) -> dict[str, float]:
+    return self._logs
 
   def state_dict(self) -> dict[str, Any]:
     """The predictor's learned state, tagged with its class (for checkpoints)."""
@@ -265,7 +269,7 @@ class TRACEStrategy:
     logs = {"predictor_spearman": self._spearman(live)} if live else {}
     if self.update_predictor:
       logs.update(self.predictor.update(live) or {})
-    self.last_metrics = {f"trace/{k}": float(v) for k, v in logs.items()}
+    self._logs = {f"trace/{k}": float(v) for k, v in logs.items()}
 
   def _spearman(self, trees: Sequence[RolloutTree]) -> float:
     """The predictor's rank correlation with the realised success of `trees`' roots and

@@ -37,7 +37,7 @@ POINTS_PER_ROLLOUT = 2  # TreePO baseline in TRACE: 2 random branch points per b
 
 @register("random")
 @dataclasses.dataclass
-class RandomStrategy:
+class RandomStrategy(BranchingStrategy):
   """Attributes:
     reference: a strategy whose `leaves_per_task()` sets the budget.
     budget: leaves per prompt (overrides `reference`).
