@@ -78,9 +78,10 @@ def _strategy(cfg: RunConfig, estimator_config: Any, policy_model: Decoder,
   return make_strategy(r.strategy, **kw)
 
 
-def _appo_minibatch_step(agent: AgentLoop, strategy: BranchingStrategy, tasks: list, num_minibatches: int,
-                         state: ppo.TrainState, update: Any, pack_fn: Any, sync: Any,
-                         key: jax.Array, timer: metrics_lib.PhaseTimer, version: Any,
+def _appo_minibatch_step(agent: AgentLoop, strategy: BranchingStrategy, tasks: list,
+                         num_minibatches: int, state: ppo.TrainState, update: Any,
+                         pack_fn: Any, sync: Any, key: jax.Array,
+                         timer: metrics_lib.PhaseTimer, version: Any,
                          note: Any = lambda text: None):
   """One APPO step in the paper's order (arXiv 2606.12384, §3.2 and App. I, Algorithm 1;
   docs/methods/appo.md#branch-timing): N initial rollouts of
@@ -123,9 +124,10 @@ def _update_by_minibatch(state: ppo.TrainState, trees: list, num_minibatches: in
                          pack_fn: Any, key: jax.Array, timer: metrics_lib.PhaseTimer):
   """One epoch of PPO mini-batches, in tree order, each packed on its own (its own token
   bucket) and updated in its own call. For an estimator whose advantages are per mini-batch
-  (`ppo.advantages_per_minibatch`) these are the updates of one call over the whole batch,
-  but no tree is padded to the step's longest, and a mini-batch with a non-finite update is
-  skipped alone. Returns (state, the bad trees dropped, metrics averaged over the calls)."""
+  (`ppo.advantages_per_minibatch`) these are the updates of one `update_step` call over the
+  whole batch that drew the mini-batches in this order (it draws a random order), but no tree
+  is padded to the step's longest, and a mini-batch with a non-finite update is skipped alone.
+  Returns (state, the bad trees dropped, metrics averaged over the calls)."""
   parts, bad = [], []
   for k, part in enumerate(np.array_split(np.arange(len(trees)), num_minibatches)):
     batch, part_bad = pack_fn([trees[int(i)] for i in part])
