@@ -254,19 +254,43 @@ TOKEN_BUCKETS = tuple(range(256, 8192 + 1, 256)) + (16384, 32768, 65536)
 LOGPROB_CHUNK = 256
 
 
+# Node counts from 32: an APPO tree of the main job has 10-30 nodes, and a node bucket that
+# flips between 16 and 32 at one token length costs a compile where the padding costs
+# nothing measurable (node arrays are a few hundred numbers).
+NODE_BUCKETS = (32, 64, 128, 256, 512, 1024)
+
+
 def _buckets(trees: int) -> Buckets:
-  return Buckets(tokens=TOKEN_BUCKETS, trees=(trees,))
+  return Buckets(tokens=TOKEN_BUCKETS, nodes=NODE_BUCKETS, trees=(trees,))
 
 
 class _AttentionFitter:
-  """Puts a TrainState on the graph fitted to its batch's exact blockwise bound
-  (`tree_rl.models.attention.AttentionFitter`: one graph, so one compile, per bound).
-  An unbounded model (dense, Pallas on a GPU) is left as it is."""
+  """Fits a training step's static shapes to its batch, so that a run compiles each step
+  about once per packed shape [B, L]:
+  - the TrainState goes on the graph fitted to the batch's blockwise bound
+    (`tree_rl.models.attention.AttentionFitter`: one graph, so one compile, per bound,
+    and a shape's bound only grows);
+  - the batch's static widths (`max_path_len`, `max_loss_tokens`) are raised to the
+    largest seen at its shape.
+  Neither changes a value: wider bounds and widths only add padding, and the step's
+  outputs are bitwise those of the tight ones (tests/algos/ppo_test.py). An unbounded
+  model (dense, Pallas on a GPU) keeps its graph."""
 
   def __init__(self, model: Decoder):
     from tree_rl.models.attention import AttentionFitter  # noqa: PLC0415
 
     self.fit = AttentionFitter(model)
+    self.widths: dict[tuple[int, ...], tuple[int, int]] = {}
+
+  def widen(self, batch):
+    """`batch` with the largest static widths seen at its shape (and those recorded)."""
+    shape = tuple(batch.tokens.shape)
+    path, loss = self.widths.get(shape, (0, 0))
+    path, loss = max(path, batch.max_path_len), max(loss, batch.max_loss_tokens)
+    self.widths[shape] = (path, loss)
+    if (path, loss) == (batch.max_path_len, batch.max_loss_tokens):
+      return batch
+    return batch.replace(max_path_len=path, max_loss_tokens=loss)
 
   def __call__(self, state: ppo.TrainState, batch) -> ppo.TrainState:
     if not self.fit.base.bounded:
@@ -279,6 +303,7 @@ class _AttentionFitter:
     (`OVERFLOW_METRIC`, popped from the metrics) raises if the bound was too small."""
 
     def run(state, batch, *args):
+      batch = self.widen(batch)
       state, metrics = step(self(state, batch), batch, *args)
       metrics = jax.device_get(metrics)
       pairs = int(metrics.pop(OVERFLOW_METRIC))

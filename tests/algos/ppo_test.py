@@ -4,6 +4,8 @@ learn a bandit (the sign and scale of the whole update, per estimator)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -196,6 +198,39 @@ def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
   assert max(jax.tree.leaves(jax.tree.map(
       lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
       jax.device_get(want.params), jax.device_get(swapped.params)))) > 1e-3
+
+
+def test_wider_static_shapes_give_bitwise_the_same_update():
+  # The trainer pads a batch's static sizes up to the largest it has compiled at the batch's
+  # token length (train._AttentionFitter: node bucket, blockwise bound, path and loss
+  # widths), so that a run compiles once per length. That is only sound if the padding
+  # changes no bit of the update.
+  from tree_rl.models.attention import AttentionConfig, fit_attention
+  rng, trees = np.random.default_rng(5), []
+  while len(trees) < 2:
+    tree = random_tree(rng, appo=True)
+    if len({leaf.rewards["outcome"] for leaf in tree.leaves if leaf.tag == LeafTag.INIT}) > 1:
+      trees.append(tree)
+  opt = optax.sgd(0.5)
+  config = ppo.PPOConfig(estimator="appo", num_epochs=1, num_minibatches=2, logprob_chunk=16)
+
+  def update(nodes, extra_bound, path, loss):
+    batch = pack(trees, Buckets(tokens=(256,), nodes=(nodes,), trees=(2,)))
+    need = int(np.asarray(batch.loss_mask).sum(1).max())
+    batch = batch.replace(max_path_len=batch.max_path_len * path,
+                          max_loss_tokens=-(-need // 16) * 16 * loss)
+    attn = fit_attention(AttentionConfig("blockwise", 16, 1), np.asarray(batch.node_of_token),
+                         np.asarray(batch.parent), np.asarray(batch.subtree_end))
+    attn = dataclasses.replace(attn, max_kv_blocks=attn.max_kv_blocks + extra_bound)
+    model = Decoder(CFG, rngs=nnx.Rngs(0), lora=LoRAConfig(rank=4), attention_config=attn)
+    state, metrics = jax.jit(ppo.make_update_step(config, opt))(
+        ppo.init_state(model, opt), batch, jax.random.key(1))
+    assert batch.max_loss_tokens < 256 and float(metrics["l2_updates"]) > 0
+    return jax.device_get((state.params, metrics))
+
+  tight = update(32, 0, 1, 1)
+  for wide in [(64, 0, 1, 1), (32, 3, 1, 1), (32, 0, 2, 1), (32, 0, 1, 2), (64, 2, 2, 2)]:
+    jax.tree.map(np.testing.assert_array_equal, tight, update(*wide))
 
 
 def test_bad_config_names_valid_estimators():

@@ -83,6 +83,27 @@ def test_fitter_caches_one_graph_per_bound_and_matches_dense():
                              np.asarray(tree_logprobs(dense, batch)[0]), atol=1e-5)
 
 
+def test_a_shapes_bound_only_grows_and_changes_no_value():
+  fork = _fork_batch()  # bound 3
+  chain = RolloutTree.new(list(range(3, 11)))  # 8 + 16 tokens in a line: 21 pairs, bound 4
+  chain.add_leaf(chain.add_node(0, NodeKind.POLICY, list(range(20, 36)), logprobs=[-1.0] * 16),
+                 {"outcome": 1.0})
+  chain = pack([chain], Buckets.exact())
+  assert chain.tokens.shape == fork.tokens.shape == (1, 24)
+  model = _model(bound=1)
+  fit = AttentionFitter(model)
+  tight = nnx.merge(fit.graphdef(fork), nnx.state(model))
+  assert tight.attention_config.max_kv_blocks == 3
+  assert fit.config(chain).max_kv_blocks == 4
+  # The fork, seen again at the same shape, reuses the larger bound (and its compile) ...
+  assert fit.config(fork).max_kv_blocks == 4 and fit.graphdef(fork) is fit.graphdef(chain)
+  wide = nnx.merge(fit.graphdef(fork), nnx.state(model))
+  # ... whose empty pair slots change no bit.
+  for a, b in zip(jax.jit(tree_logprobs)(tight, fork), jax.jit(tree_logprobs)(wide, fork)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert AttentionFitter(model).config(fork).max_kv_blocks == 3  # a new fitter: tight again
+
+
 def test_a_too_small_bound_raises_with_the_shapes_and_bounds():
   batch = _fork_batch()
   small = _model(bound=2)
