@@ -149,14 +149,23 @@ def final_step(answer: str) -> str:
 
 def _timed(target: str, fn: Callable[..., Any], *args: Any) -> Any:
   """fn(*args), asserted to return (or raise) within MAX_SECONDS; counts one input of
-  `target`."""
+  `target`. A call over the bound runs once more and fails only if that one is over too:
+  an input that is slow in itself is slow again, where a busy machine (CI's parallel tests
+  on 2 cores once made one call take 6.5 s) seldom is twice."""
   SEEN[target] += 1
-  start = time.monotonic()
-  try:
-    return fn(*args)
-  finally:
+  for _ in range(2):
+    start = time.monotonic()
+    try:
+      result, error = fn(*args), None
+    except Exception as e:  # noqa: BLE001 - re-raised below, once timed
+      result, error = None, e
     seconds = time.monotonic() - start
-    assert seconds < MAX_SECONDS, f"{target} took {seconds:.1f} s on one input"
+    if seconds < MAX_SECONDS:
+      break
+  assert seconds < MAX_SECONDS, f"{target} took {seconds:.1f} s on one input, twice"
+  if error is not None:
+    raise error
+  return result
 
 
 def _report(*targets: str) -> None:
