@@ -35,7 +35,13 @@ def ray_local():
   ray.shutdown()
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects on the marks
 def pytest_collection_modifyitems(config, items):
+  # A test that starts Ray or a vLLM worker launches processes: `e2e`, like the tests that
+  # run the pipeline (marked where they are written).
+  for item in items:
+    if "vllm" in item.keywords or "ray_local" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.e2e)
   if _has_gpu():
     return
   skip = pytest.mark.skip(reason="needs a GPU")

@@ -62,7 +62,7 @@ def _run(c, workdir: pathlib.Path, monkeypatch) -> tuple[list, list, int]:
   return rows, trees, reused[0]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_rl_after_sft_resumed_and_with_evals_between_steps_trains_alike(tmp_path, monkeypatch):
   # A: SFT then RL in one process, an evaluation after step 1.
   rows_a, trees_a, reused_a = _run(_config(eval_every=1), tmp_path / "a", monkeypatch)

@@ -85,6 +85,7 @@ print(json.dumps(seen))
     (["--config.rollout.engine=vllm", "--config.rollout.learner_memory_fraction=0.4"], "0.4"),
     ([], "0.75"),  # engine "jax" without a share: the environment is left as it was
 ])
+@pytest.mark.e2e
 def test_launcher_sets_the_fraction_before_jax_starts(tmp_path, overrides, expected):
   code = _LAUNCH % {"env": MEM_FRACTION_ENV, "launch": str(ROOT / "launch/train.py")}
   env = dict(os.environ, **{MEM_FRACTION_ENV: "0.75", "JAX_PLATFORMS": "cpu"})
@@ -97,6 +98,7 @@ def test_launcher_sets_the_fraction_before_jax_starts(tmp_path, overrides, expec
   assert seen == {"env_at_backend_start": expected, "backend_up_before_train": True}
 
 
+@pytest.mark.e2e
 def test_launcher_rejects_shares_that_cannot_fit_before_jax_starts(tmp_path):
   out = subprocess.run(
       [sys.executable, str(ROOT / "launch/train.py"), "--config=configs/grpo.py:runlocal",

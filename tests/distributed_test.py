@@ -63,7 +63,7 @@ def _spawn(workdir: pathlib.Path, port: int) -> list[subprocess.Popen]:
   return procs
 
 
-@pytest.mark.slow  # two runlocal runs, one of them over 2 processes (minutes on 2 CPU cores)
+@pytest.mark.e2e
 def test_two_processes_train_like_one_and_their_checkpoint_restores(tmp_path):
   (tmp_path / "multi").mkdir()
   procs = _spawn(tmp_path / "multi" / "run", _free_port())
@@ -151,6 +151,7 @@ def test_train_after_the_backend_started_alone_fails_clearly(tmp_path, monkeypat
     train.train_and_evaluate(c, str(tmp_path))
 
 
+@pytest.mark.e2e
 def test_only_the_primary_process_writes_metrics(tmp_path):
   quiet = metrics.MetricWriter(tmp_path / "other", primary=False)
   quiet.write(1, {"loss": 0.5})

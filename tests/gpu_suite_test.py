@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 STAGES = ("env", "kernels", "attention", "tree_flat", "mfu", "decode", "grpo")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_the_gpu_suite_dry_run_passes_every_stage(tmp_path):
   out = tmp_path / "suite.json"
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a GPU
@@ -37,6 +37,7 @@ def test_the_gpu_suite_dry_run_passes_every_stage(tmp_path):
   assert "7 of 7 stages ok" in lines[-1]
 
 
+@pytest.mark.e2e
 def test_the_suite_refuses_a_cpu_without_dry_run():
   proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py"], cwd=ROOT,
                         capture_output=True, text=True, timeout=300)

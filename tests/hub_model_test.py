@@ -48,6 +48,7 @@ def _load_offline(home: pathlib.Path, hf_folder: str) -> subprocess.CompletedPro
                         text=True, timeout=300)
 
 
+@pytest.mark.e2e
 def test_a_hub_id_loads_offline_from_the_cache_like_the_folder(hub_home):
   snapshot = hub_home / "hub" / "models--tree-rl-test--tiny" / "snapshots" / COMMIT
   local, _ = build_policy(ModelSpec(name="hf", hf_folder=str(snapshot), lora_rank=0), seed=0)
@@ -60,6 +61,7 @@ def test_a_hub_id_loads_offline_from_the_cache_like_the_folder(hub_home):
     assert total == pytest.approx(float(want.sum()), rel=1e-6)
 
 
+@pytest.mark.e2e
 def test_an_uncached_hub_id_offline_names_the_field_and_the_cache(hub_home):
   proc = _load_offline(hub_home, "tree-rl-test/not-there")
   assert proc.returncode != 0

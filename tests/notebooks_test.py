@@ -29,6 +29,7 @@ SMOKE_ARMS = {"portool": ("portool", "grpo"), "appo": ("appo", "grpo"),
 # ============================== The .ipynb files ==============================
 
 
+@pytest.mark.e2e
 def test_every_paper_has_a_source_and_an_up_to_date_notebook():
   assert [p.stem for p in build.sources()] == list(PAPERS)
   assert build.stale() == [], "run python notebooks/build.py"
@@ -78,6 +79,7 @@ def test_build_parses_percent_cells():
       build.parse(bad)
 
 
+@pytest.mark.e2e
 def test_build_check_names_a_stale_notebook(tmp_path):
   (tmp_path / "demo.py").write_text("# %%\nx = 1\n", encoding="utf-8")
   cli = [sys.executable, str(NOTEBOOKS / "build.py"), "--folder", str(tmp_path)]
@@ -100,8 +102,8 @@ def _listing(folder: pathlib.Path) -> list[str]:
   return sorted(str(p) for p in folder.rglob("*")) if folder.exists() else []
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("paper", PAPERS)
+@pytest.mark.e2e
 def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
   committed = _listing(ROOT / "results")
   env = {**os.environ, "TREE_RL_NOTEBOOK_SCALE": "smoke", "TREE_RL_RESULTS_DIR": str(tmp_path)}
@@ -537,6 +539,7 @@ def _child_dies() -> None:
   os._exit(3)
 
 
+@pytest.mark.e2e
 def test_call_in_child_returns_raises_and_reports_a_dead_child():
   """Runs train in a fresh process each (run_arm's isolate): the value comes back, an
   exception is raised here by name, and a child that dies without answering is an error

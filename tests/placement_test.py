@@ -40,7 +40,7 @@ def _flat(tree) -> dict[str, jax.Array]:
   return {"/".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(tree)}
 
 
-@pytest.mark.slow  # two runlocal runs (~2 min on 2 CPU cores)
+@pytest.mark.e2e
 def test_sharded_training_equals_unsharded(tmp_path):
   one = train.train_and_evaluate(_grpo(), str(tmp_path / "one"))
   mesh = train.train_and_evaluate(_grpo(fsdp=4, tensor=2), str(tmp_path / "mesh"))

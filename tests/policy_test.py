@@ -16,6 +16,7 @@ def _cfg(**sections) -> RunConfig:
 
 
 @pytest.mark.parametrize("module", ["tree_rl.evaluate", "tree_rl.checkpoint", "tree_rl.policy"])
+@pytest.mark.e2e
 def test_module_imports_without_the_trainer(module):
   # A fresh interpreter: this one has imported tree_rl.train through other tests.
   code = (f"import sys, {module}; "

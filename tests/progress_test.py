@@ -5,6 +5,8 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 from tree_rl import metrics, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -55,6 +57,7 @@ def test_a_long_unit_reports_from_inside_at_most_every_30_seconds(monkeypatch, c
       "[RL 1/5 steps] reward +0.1 | ETA 140s"]
 
 
+@pytest.mark.e2e
 def test_a_run_prints_its_plan_progress_for_every_phase_and_a_paired_test(tmp_path, capsys):
   c = importlib.import_module("configs.apppo").get_config("runlocal")
   train.train_and_evaluate(c, str(tmp_path / "run"))

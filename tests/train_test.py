@@ -33,6 +33,7 @@ def _config(name: str, arg: str = "runlocal"):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.e2e
 def test_every_config_runs_two_steps_locally(name, tmp_path):
   arg = ",".join(filter(None, ["runlocal", SMOKE_ARGS.get(name)]))
   out = train.train_and_evaluate(_config(name, arg), str(tmp_path))
@@ -110,6 +111,7 @@ class _FlipWorld:
     return Outcome(reward, correct=reward > 0, answered=True)
 
 
+@pytest.mark.e2e
 def test_appo_per_minibatch_branching_trains_each_minibatch_on_the_policy_of_the_moment(
     tmp_path):
   # :timing=per_minibatch (the paper's order): the second mini-batch's branches are sampled
@@ -123,6 +125,7 @@ def test_appo_per_minibatch_branching_trains_each_minibatch_on_the_policy_of_the
   assert all(0.0 <= r["appo/fallback_frac"] <= 1.0 for r in steps)
 
 
+@pytest.mark.e2e
 def test_dynamic_sampling_trains_on_mixed_groups_from_extra_rollouts(tmp_path, monkeypatch):
   """DAPO §3.2 in the trainer. 2 prompts a step, 2 leaves a group; data order 0, 1, 2, ...
   with the even tasks mixed. Step 1 rolls 0, 1 (1 flat), then 2: trains on 0 and 2. Step 2
@@ -166,6 +169,7 @@ def test_dynamic_sampling_trains_on_mixed_groups_from_extra_rollouts(tmp_path, m
   ck.close()
 
 
+@pytest.mark.e2e
 def test_awpo_with_an_unreachable_llm_judge_trains_on_the_outcome(tmp_path):
   """AWPO's missing judge score (docs/methods/awpo.md) end to end: every judgement fails (nothing listens on port 9), so no leaf
   gets a "reasoning" score, AWPO gives every group w = 0 (the outcome-only advantage) and
@@ -181,6 +185,7 @@ def test_awpo_with_an_unreachable_llm_judge_trains_on_the_outcome(tmp_path):
   assert np.isfinite(row["loss"]) and row["judge/failures"] > 0
 
 
+@pytest.mark.e2e
 def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_path):
   """max_staleness=1: the producer grows step k + 1 while step k trains, so some trees are
   one update old and none older; the run resumes from its checkpoint like a synchronous one."""
@@ -200,6 +205,7 @@ def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_pat
   assert [r["step"] for r in again["history"] if "rollout/staleness_max" in r] == [4]
 
 
+@pytest.mark.e2e
 def test_zero_steps_runs_the_sft_prefix_and_another_run_resumes_from_it(tmp_path):
   """num_steps=0: the base eval, SFT and the SFT eval, saved at step 0 (a warm start for
   several arms, tree_rl.experiments.warm_start); a run with config.resume starts its RL from
@@ -219,6 +225,7 @@ def test_zero_steps_runs_the_sft_prefix_and_another_run_resumes_from_it(tmp_path
   assert int(out["state"].step) == 2 * arm.algo.num_minibatches  # updates from a fresh count
 
 
+@pytest.mark.e2e
 def test_eval_base_false_skips_the_base_models_eval(tmp_path, capsys):
   """The main job's preset sets eval_base=False: SFT and its eval run, the base model's eval
   does not (no row, no file, not in the plan), and RL is compared with SFT."""
@@ -234,6 +241,7 @@ def test_eval_base_false_skips_the_base_models_eval(tmp_path, capsys):
   assert importlib.import_module("configs.apppo").get_config().eval_base is False
 
 
+@pytest.mark.e2e
 def test_async_rollouts_on_two_local_workers(tmp_path):
   """max_staleness=1 with a local fleet: the workers' first weights are their own copy, so
   the producer can sample step 2 while update 1 donates the state's buffers."""
@@ -246,6 +254,7 @@ def test_async_rollouts_on_two_local_workers(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.e2e
 def test_vllm_engine_trains_on_policy(tmp_path):
   """GRPO with the vLLM worker growing the trees. The learning rate is large, so a
   worker still holding step 1's weights at step 2 would sample from a different policy;
@@ -277,6 +286,7 @@ def test_vllm_engine_trains_on_policy(tmp_path):
   assert (tmp_path / "vllm_policy" / "config.json").is_file()
 
 
+@pytest.mark.e2e
 def test_profile_writes_a_trace(tmp_path):
   c = _config("grpo")
   c.profile.mode, c.profile.start_step, c.profile.num_steps = "xplane", 1, 1
@@ -344,6 +354,7 @@ def test_unknown_config_key_and_argument_fail_with_the_valid_ones(tmp_path):
     _config("apppo", "prompts=0")
 
 
+@pytest.mark.e2e
 def test_incompatible_checkpoint_in_workdir_fails_clearly(tmp_path):
   c = _config("grpo")
   train.train_and_evaluate(c, str(tmp_path))
@@ -356,6 +367,7 @@ def test_incompatible_checkpoint_in_workdir_fails_clearly(tmp_path):
     train.train_and_evaluate(c2, str(tmp_path), allow_config_change=True)
 
 
+@pytest.mark.e2e
 def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):
   import torch
   from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -380,6 +392,7 @@ def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):
     assert a.metrics[k] == pytest.approx(b.metrics[k]), k
 
 
+@pytest.mark.e2e
 def test_blockwise_tree_attention_trains_like_the_default_models(tmp_path):
   # Real models train with blockwise attention and remat (configs/common.py); the
   # runlocal presets switch to dense. Check the blockwise path end to end too:

@@ -70,6 +70,7 @@ class _NaNWorld:
     return self.inner.score(task, episode, truncated)
 
 
+@pytest.mark.e2e
 def test_a_run_fed_nan_rewards_keeps_training_until_past_the_drop_fraction(tmp_path,
                                                                          monkeypatch):
   make_family = train.make_family

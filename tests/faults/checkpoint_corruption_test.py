@@ -287,6 +287,7 @@ def _raw_steps(directory: pathlib.Path, steps) -> dict[int, dict[str, np.ndarray
   return out
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_never_trains_on_altered_weights(tmp_path, monkeypatch):
   """runlocal, 1 step (checkpoints at steps 0 and 1): one flipped bit in step 1's data. The
   resumed run restores step 0's arrays exactly, logs the rejection as a metric, redoes

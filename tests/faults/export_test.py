@@ -61,6 +61,7 @@ def test_save_hf_refuses_a_run_workdir_and_a_foreign_folder(tmp_path):
   assert (tmp_path / "file").read_text() == "x"
 
 
+@pytest.mark.e2e
 def test_export_hf_script_refuses_the_runs_own_workdir(tmp_path):
   run = _run_workdir(tmp_path)
   before = _listing(tmp_path)

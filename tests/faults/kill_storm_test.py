@@ -23,8 +23,11 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from tree_rl.checkpoint import RunCheckpointer
+
+pytestmark = pytest.mark.e2e  # launches and kills training processes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAUSE_S = 0.5

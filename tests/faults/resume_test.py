@@ -24,6 +24,7 @@ def _rows(workdir):
   return [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e
 def test_a_crash_before_the_checkpoint_leaves_one_row_per_step(tmp_path, monkeypatch):
   c = importlib.import_module("configs.grpo").get_config("runlocal,steps=3")
   c.ckpt_every_steps = 2

@@ -64,6 +64,7 @@ class _AuditWorld:
     return getattr(self.inner, name)
 
 
+@pytest.mark.e2e
 def test_a_run_under_the_audit_hook_alone_says_so_in_its_log_and_every_row(tmp_path,
                                                                            monkeypatch):
   make = train.make_family

@@ -98,7 +98,7 @@ def _gone(pid):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_worker_is_restarted_and_the_generate_completes(setup, sig):
   eng, want = setup
@@ -118,7 +118,7 @@ def test_a_lost_worker_is_restarted_and_the_generate_completes(setup, sig):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_used_up_restarts_raise_and_the_next_call_starts_afresh(setup):
   eng, want = setup
   eng.max_restarts = 0

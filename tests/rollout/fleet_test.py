@@ -138,6 +138,7 @@ def test_local_versions_follow_every_sync(spec_and_model, oracle):
     two.update_weights(model, 1)
 
 
+@pytest.mark.e2e
 def test_ray_fleet_matches_one_local_worker_and_tracks_versions(ray_local, spec_and_model,
                                                                oracle):
   spec, model = spec_and_model
@@ -193,6 +194,7 @@ def test_ray_fleet_matches_one_local_worker_and_tracks_versions(ray_local, spec_
     fleet.close()
 
 
+@pytest.mark.e2e
 def test_a_silent_ray_worker_is_restarted_and_its_chunk_resent(ray_local, spec_and_model,
                                                               oracle):
   import time  # noqa: PLC0415
@@ -225,6 +227,7 @@ def test_a_silent_ray_worker_is_restarted_and_its_chunk_resent(ray_local, spec_a
     fleet.close()
 
 
+@pytest.mark.e2e
 def test_runlocal_trains_two_steps_on_a_ray_fleet(ray_local, tmp_path):
   import importlib  # noqa: PLC0415
   import json  # noqa: PLC0415

@@ -82,7 +82,7 @@ def _step(fleet, tasks, key):
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_local_vllm_workers_load_a_published_version():
   python = vllm_python_or_skip()
   old, new = _lively(0), _lively(1)
@@ -117,7 +117,7 @@ def test_local_vllm_workers_load_a_published_version():
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_ray_vllm_worker_with_the_in_place_fallback():
   """One Ray actor holding a VLLMEngine that is told to use the fallback path (the in-place
   reload), loading a version synchronously (`update_weights`)."""
