@@ -71,6 +71,40 @@ def test_every_strategy_answers_the_trainer_one_way():
   assert "duck" not in STRATEGIES
 
 
+def _scorer(trees):
+  """A stand-in for the current policy's scorer (`model_scorer`)."""
+  return []
+
+
+def test_a_strategy_builds_itself_from_the_run():
+  # One constructor for the trainer and the workers (`from_run`): the config's options,
+  # plus what the run builds for the strategies that need it.
+  from tree_rl.algos import registry
+  from tree_rl.rollout.strategies.base import RunContext, strategy_for_run
+  for name in sorted(STRATEGIES):
+    c = common.base_config()
+    c.rollout.strategy, c.algo.estimator = name, _ESTIMATOR[name]
+    cfg = RunConfig.from_config_dict(c)
+    run = RunContext(cfg.algo.estimator, cfg.estimator_config(), vocab_size=64,
+                     scorer=lambda: _scorer)
+    strategy = strategy_for_run(cfg.rollout, cfg.seed, run)
+    assert type(strategy) is STRATEGIES[name]
+    if name == "appo":  # APPO's estimator config and the current policy's scorer
+      assert strategy.config is run.estimator_config
+      assert strategy.current_logprobs is _scorer
+      worker = strategy_for_run(cfg.rollout, cfg.seed)  # no run: the behaviour log-probs
+      assert worker.current_logprobs is None
+    elif name == "trace":
+      assert type(strategy.predictor).__name__ == "RunningMeanPredictor"
+    else:
+      assert strategy == make_strategy(name, **strategy_options(cfg.rollout, cfg.seed))
+  c = common.base_config()
+  c.rollout.strategy, c.algo.estimator = "appo", "grpo"  # APPO's branching, GRPO's advantages
+  cfg = RunConfig.from_config_dict(c)
+  strategy = strategy_for_run(cfg.rollout, cfg.seed, RunContext("grpo", cfg.estimator_config()))
+  assert strategy.config == registry.make_config("appo")
+
+
 def test_one_quantity_set_twice_differently_fails_and_alike_passes():
   c = common.base_config()
   c.rollout.samples_per_task, c.rollout.strategy_kwargs = 3, {"n": 5}
@@ -116,3 +150,31 @@ def test_strategy_options_fail_when_the_config_is_read(name, kwargs, message):
   c.rollout.strategy_kwargs = kwargs
   with pytest.raises(ValueError, match=message):
     RunConfig.from_config_dict(c)
+
+
+def test_per_minibatch_branching_is_one_rule_checked_with_the_config():
+  # The trainer branches each PPO mini-batch exactly when the config says so
+  # (RunConfig.branches_per_minibatch), which is what the strategy it builds does; what
+  # that order cannot run with fails when the config is read, before any model is built.
+  apppo = importlib.import_module("configs.apppo")
+  for timing, nmb, want in [("per_minibatch", 4, True), ("per_step", 4, False),
+                            ("per_minibatch", 1, False)]:
+    c = apppo.get_config(f"timing={timing}")
+    c.algo.num_minibatches = nmb
+    cfg = RunConfig.from_config_dict(c)
+    strategy = make_strategy("appo", **cfg.rollout.strategy_kwargs)
+    assert cfg.branches_per_minibatch() == want
+    assert cfg.branches_per_minibatch() == (strategy.branches_between_updates and nmb > 1)
+  for field, value, message in [
+      ("rollout.dynamic_sampling", True, "dynamic_sampling drops a group"),
+      ("algo.num_epochs", 2, "runs one PPO epoch; got config.algo.num_epochs=2"),
+      ("prompts_per_step", 6, "prompts_per_step=6 does not split into algo.num_minibatches=4")]:
+    c = apppo.get_config("timing=per_minibatch")
+    section, _, name = field.rpartition(".")
+    setattr(c[section] if section else c, name, value)
+    with pytest.raises(ValueError, match=message):
+      RunConfig.from_config_dict(c)
+    c = apppo.get_config("timing=per_step")
+    setattr(c[section] if section else c, name, value)
+    if field != "rollout.dynamic_sampling":  # per step, each of these runs
+      RunConfig.from_config_dict(c)

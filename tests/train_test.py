@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tree_rl import train
+from tree_rl import rl_step, train
 from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.envs.base import Outcome
@@ -47,7 +47,7 @@ def test_every_config_runs_two_steps_locally(name, tmp_path):
   skipped = [r.get("rollout/dynamic_sampling/update_skipped", 0.0) == 1.0 for r in steps]
   assert all(("loss" not in r) if s else np.isfinite(r["loss"]) for r, s in zip(steps, skipped))
   # APPO's advantages are per mini-batch, so each of its two mini-batches is its own update
-  # call (train._update_by_minibatch): two updates a step.
+  # call (rl_step.rl_step): two updates a step.
   assert int(out["state"].step) == (4 if name == "apppo" else 2 - sum(skipped))
   # Synchronous: trained on the policy that sampled (the weights are published once a step).
   assert all(r["rollout/staleness_max"] == 0 for r in steps)
@@ -424,7 +424,7 @@ def test_attention_fitter_picks_the_tightest_ladder_bound():
   loose = AttentionConfig("blockwise", 32, 16)  # = all 16 blocks of the bucket
   model = Decoder(ModelConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0), attention_config=loose)
   state = ppo.init_state(model, optax.sgd(0.0))
-  fit = train._AttentionFitter(model)
+  fit = rl_step.ShapeFitter(model)
   fitted = fit(state, batch)
   bound = fitted.model().attention_config.max_kv_blocks
   need = max_visible_blocks(np.asarray(batch.node_of_token), np.asarray(batch.parent), 32)

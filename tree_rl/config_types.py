@@ -112,7 +112,7 @@ class ModelSpec:
       raise ValueError(f"config.model.lora_rank={self.lora_rank} must be >= 0 (0: no LoRA)")
     _choice("model", "dtype", self.dtype, ("float32", "bfloat16"))
     _choice("model", "attention", self.attention, ("dense", "blockwise", "pallas"))
-    # Packed rows are multiples of 256 tokens (train.TOKEN_BUCKETS).
+    # Packed rows are multiples of 256 tokens (rl_step.TOKEN_BUCKETS).
     _choice("model", "attention_block", self.attention_block, [16, 32, 64, 128, 256])
 
   def check_backend(self, backend: str) -> None:
@@ -553,11 +553,37 @@ class RunConfig:
     check_strategy_options(r, self.seed)
     # The judge scores leaves in the trainer, not on rollout workers.
     check_fleet(r.backend, r.num_workers, r.strategy, r.engine, leaf_rewards=bool(self.judge.kind))
-    timing = r.strategy_kwargs.get("branch_timing", STRATEGIES["appo"].branch_timing)
+    per_minibatch = self.branches_per_minibatch()
     check_async(r.max_staleness,  # AWPO's estimator sets its own radius (Eq. 29)
                 None if self.algo.estimator == "awpo" else self.algo.loss_config().clip_eps_high,
-                per_minibatch=(r.strategy == "appo" and self.algo.num_minibatches > 1
-                               and timing == "per_minibatch"))
+                per_minibatch=per_minibatch)
+    if per_minibatch:
+      self._check_per_minibatch()
+
+  def branches_per_minibatch(self) -> bool:
+    """Whether each PPO mini-batch's prompts are branched with the policy after the previous
+    mini-batch's update (APPO with branch_timing='per_minibatch', as the paper does, and
+    more than one mini-batch); the trainer's step follows this rule."""
+    r = self.rollout
+    timing = r.strategy_kwargs.get("branch_timing", STRATEGIES["appo"].branch_timing)
+    return (r.strategy == "appo" and timing == "per_minibatch"
+            and self.algo.num_minibatches > 1)
+
+  def _check_per_minibatch(self) -> None:
+    """What per-minibatch branching cannot run with, each named."""
+    r, a = self.rollout, self.algo
+    fix = "set rollout.strategy_kwargs.branch_timing='per_step' (or algo.num_minibatches=1)"
+    if r.dynamic_sampling:  # a group's branches are sampled after an update: no filter before
+      raise ValueError("config.rollout.dynamic_sampling drops a group on all its rewards before "
+                       "the update, but APPO's per-minibatch branching samples a group's "
+                       f"branches between updates: {fix}, or dynamic_sampling=False")
+    if a.num_epochs != 1:
+      raise ValueError(f"APPO's per-minibatch branching runs one PPO epoch; got "
+                       f"config.algo.num_epochs={a.num_epochs} (or {fix})")
+    if self.prompts_per_step % a.num_minibatches:
+      raise ValueError(f"config.prompts_per_step={self.prompts_per_step} does not split into "
+                       f"algo.num_minibatches={a.num_minibatches} (APPO's per-minibatch "
+                       f"branching trains each mini-batch's prompts)")
 
   def _check_generic_fields(self) -> None:
     """rollout.samples_per_task and max_turns only where the strategy reads them, and equal

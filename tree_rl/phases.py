@@ -29,6 +29,7 @@ from tree_rl.algos.sft import order_by_system_prompt
 from tree_rl.checkpoint import RunCheckpointer
 from tree_rl.config_types import SFTSpec
 from tree_rl.metrics import MetricWriter, Progress
+from tree_rl.resume import RunState
 from tree_rl.rollout.agent_loop import AgentLoop
 from tree_rl.rollout.pipeline import RolloutInterrupted
 from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
@@ -86,22 +87,23 @@ class StopFlag:
 
 
 def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: AgentLoop, train_tasks: Sequence[Any], buckets: Buckets,
-                   progress: RunCheckpointer, meta: dict[str, Any], writer: MetricWriter,
+                   progress: RunCheckpointer, run: RunState, writer: MetricWriter,
                    stop: StopFlag) -> Any:
-  """Trains `spec.steps` SFT steps on the oracle's trajectories, from meta["sft_step"].
+  """Trains `spec.steps` SFT steps on the oracle's trajectories, from `run.sft_step`.
 
   Args:
     spec: config.sft.
     sft_state: the policy's TrainState with SFT's fresh optimizer state (config.sft.lr),
       placed on the mesh.
     sft_step: `(state, batch) -> (state, host metrics)`, jitted and fitted to each batch's
-      attention bound (the trainer's `_AttentionFitter.wrap`).
+      attention bound (`rl_step.ShapeFitter.wrap`).
     teacher: the agent loop on the oracle engine.
     train_tasks: the run's training tasks.
     buckets: the packing buckets of one tree.
     progress: SFT's progress checkpointer. Step k holds the state after k SFT steps and
-      `meta` (base eval included); step 0 is written first, so the base eval is kept.
-    meta: the run's metadata; meta["sft_step"] counts the SFT steps done.
+      `run` (base eval included); step 0 is written first, so the base eval is kept.
+    run: the run's state; `run.sft_step` counts the SFT steps done (`sft_skipped` those
+      skipped).
     writer: metrics (phase "sft", one row per SFT step).
     stop: the run's stop flag, checked after each step.
 
@@ -111,10 +113,10 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
   Raises:
     Stopped: a signal came during a step; the progress after it is saved.
   """
-  done = int(meta.get("sft_step", 0))
+  done = run.sft_step
   if progress.latest_step() is None:
-    meta["sft_step"] = 0
-    progress.save(0, sft_state, meta)  # records the base eval
+    run.sft_step = 0
+    progress.save(0, sft_state, run.to_json())  # records the base eval
   else:
     sft_state, _ = progress.restore(sft_state)
   n = spec.tasks_per_step
@@ -123,7 +125,7 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
   for i in range(done, spec.steps):
     if stop.set:  # a signal before this step (e.g. during the base eval)
       if progress.latest_step() != i:
-        progress.save(i, sft_state, meta)
+        progress.save(i, sft_state, run.to_json())
       raise Stopped(f"stopped by a signal before SFT step {i + 1}; its progress is saved")
     tasks = [order[(i * n + j) % len(order)] for j in range(n)]
     # One tree per step: the step's trajectories store their shared prompt once.
@@ -133,18 +135,18 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     sft_state, m = sft_step(sft_state, batch)
     row = {k: float(v) for k, v in m.items()}
     if row.get("sft/skipped"):  # non-finite loss, gradient or new weights: the state is kept
-      meta["sft_skipped"] = int(meta.get("sft_skipped", 0)) + 1
+      run.sft_skipped += 1
       logging.warning("SFT step %d skipped: its loss (%g), gradient norm (%g) or new parameters' "
                       "norm (%g) is not finite, so the state before it is kept (sft/skipped=1; "
                       "%d SFT step(s) skipped so far). Persistent skips mean a too large "
                       "config.sft.lr or bad SFT data.", i + 1, row.get("sft/loss", float("nan")),
                       row.get("sft/l2_grads", float("nan")),
-                      row.get("sft/l2_params", float("nan")), meta["sft_skipped"])
+                      row.get("sft/l2_params", float("nan")), run.sft_skipped)
     writer.write(i, row, phase="sft")
     shown.update(i + 1, f"loss {row.get('sft/loss', float('nan')):.4f}")
-    meta["sft_step"] = i + 1
+    run.sft_step = i + 1
     if (i + 1) % spec.ckpt_every_steps == 0 or i + 1 == spec.steps or stop.set:
-      progress.save(i + 1, sft_state, meta)
+      progress.save(i + 1, sft_state, run.to_json())
     if stop.set and i + 1 < spec.steps:
       raise Stopped(f"stopped by a signal after SFT step {i + 1}; its progress is saved")
   return sft_state

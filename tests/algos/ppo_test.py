@@ -5,6 +5,7 @@ learn a bandit (the sign and scale of the whole update, per estimator)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import chex
 import jax
@@ -155,10 +156,22 @@ def test_lora_trains_adapters_only_and_appo_runs_inside_minibatches():
 
 def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
   # APPO's advantages are per mini-batch (they read the current policy), so the trainer packs
-  # and updates each mini-batch on its own (train._update_by_minibatch): no tree is padded
-  # to the step's longest. That must be the same update as one call over the padded batch.
+  # and updates each mini-batch on its own (rl_step.rl_step with num_parts > 1): no tree is
+  # padded to the step's longest. That must be the same update as one call over the padded
+  # batch.
   from tree_rl import metrics as metrics_lib
-  from tree_rl.train import _update_by_minibatch
+  from tree_rl import rl_step
+  from tree_rl.rollout.dynamic_sampling import StepRollout
+  from tree_rl.rollout.pipeline import Produced
+
+  def _update_by_minibatch(state, trees, parts, update, pack_fn, key, timer):
+    learner = rl_step.Learner(update=update, pack=pack_fn, num_parts=parts)
+    grown = StepRollout(trees=trees, train=trees, prompts=len(trees), episodes=0, truncated=0,
+                        policy_tokens=0, strategy_metrics={})
+    rollout = types.SimpleNamespace(engine=types.SimpleNamespace(published=0))
+    state, result = rl_step.rl_step(learner, rollout, state, Produced(1, grown, 0), key, timer)
+    return state, result.bad, result.metrics
+
   rng, trees = np.random.default_rng(3), []
   while len(trees) < 4:  # trees whose initial rollouts differ in reward: non-zero advantages
     tree = random_tree(rng, appo=True)
@@ -202,7 +215,7 @@ def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
 
 def test_wider_static_shapes_give_bitwise_the_same_update():
   # The trainer pads a batch's static sizes up to the largest it has compiled at the batch's
-  # token length (train._AttentionFitter: node bucket, blockwise bound, path and loss
+  # token length (rl_step.ShapeFitter: node bucket, blockwise bound, path and loss
   # widths), so that a run compiles once per length. That is only sound if the padding
   # changes no bit of the update.
   from tree_rl.models.attention import AttentionConfig, fit_attention

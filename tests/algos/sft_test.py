@@ -17,6 +17,7 @@ from tree_rl.config_types import SFTSpec
 from tree_rl.metrics import MetricWriter
 from tree_rl.models import Decoder, ModelConfig
 from tree_rl.phases import StopFlag, sft_warm_start
+from tree_rl.resume import RunState
 from tree_rl.rollout.agent_loop import AgentLoop
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
 
@@ -88,19 +89,19 @@ def test_the_sft_loop_warns_and_counts_skipped_steps(tmp_path, caplog):
   state = _state(opt)
   before = _host(state.params)
   writer = MetricWriter(tmp_path, primary=False)
-  meta: dict = {}
+  run = RunState()
   stop = StopFlag()
   try:
     with caplog.at_level(logging.WARNING):
       out = sft_warm_start(SFTSpec(steps=2, tasks_per_step=2, ckpt_every_steps=2), state,
                            sft.jit_sft_step(opt, 64), _Teacher(),
                            [_Task(f"t{i}") for i in range(3)], Buckets(tokens=(64,), trees=(1,)),
-                           RunCheckpointer(tmp_path / "ckpt"), meta, writer, stop)
+                           RunCheckpointer(tmp_path / "ckpt"), run, writer, stop)
   finally:
     stop.restore()
   _same(before, out.params)  # both steps skipped: the weights are the ones SFT started from
   assert [r["sft/skipped"] for r in writer.history] == [1.0, 1.0]
-  assert meta["sft_skipped"] == 2 and meta["sft_step"] == 2
+  assert run.sft_skipped == 2 and run.sft_step == 2
   warned = [r.getMessage() for r in caplog.records if "SFT step" in r.getMessage()]
   assert len(warned) == 2 and "SFT step 2 skipped" in warned[1], warned
   assert "2 SFT step(s) skipped so far" in warned[1] and "config.sft.lr" in warned[1]

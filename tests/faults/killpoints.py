@@ -35,17 +35,17 @@ def install() -> None:
   import jax
   import orbax.checkpoint as ocp
 
-  from tree_rl import metrics, placement, train
-  from tree_rl.rollout import dynamic_sampling
+  from tree_rl import metrics, placement
+  from tree_rl.rollout import dynamic_sampling, session
   from tree_rl.rollout.jax_sampler import JaxSampler
 
-  evaluate = train.evaluate
+  evaluate = session.evaluate  # what the run's Evaluator calls
 
   def evaluate_hook(*args, **kwargs):
     mark("eval-start", pause=False)
     return evaluate(*args, **kwargs)
 
-  train.evaluate = evaluate_hook
+  session.evaluate = evaluate_hook
 
   rollout_step = dynamic_sampling.rollout_step
 

@@ -46,7 +46,8 @@ import numpy as np
 from tree_rl.algos.appo import (APPOConfig, branching_metrics, branching_score,
                                 select_branch_points)
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import BranchingStrategy, register
+from tree_rl.rollout.strategies.base import (BranchingStrategy, RunContext, register,
+                                             strategy_options)
 from tree_rl.tree.batch import Buckets, TreeBatch, pack
 from tree_rl.tree.rollout_tree import Node, RolloutTree
 from tree_rl.tree.types import Array, Bool, Float, Int, LeafTag, NodeKind
@@ -207,6 +208,17 @@ class APPOStrategy(BranchingStrategy):
   @property
   def branches_between_updates(self) -> bool:
     return self.branch_timing == "per_minibatch"
+
+  @classmethod
+  def from_run(cls, rollout: Any, seed: int, run: RunContext | None = None) -> APPOStrategy:
+    """With `run`: the APPOConfig of `branching_config` and the run's current-policy scorer
+    (else the behaviour log-probs)."""
+    kw = strategy_options(rollout, seed)
+    if run is not None:
+      kw["config"] = branching_config(run.estimator, run.estimator_config)
+      if run.scorer is not None:
+        kw["current_logprobs"] = run.scorer()
+    return cls(**kw)
 
   @property
   def last_metrics(self) -> dict[str, float]:

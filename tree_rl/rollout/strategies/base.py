@@ -73,6 +73,34 @@ class BranchingStrategy(abc.ABC):
     """Loads what `state_dict` returned."""
     raise ValueError(f"strategy {self.name!r} learns no state, so it loads none")
 
+  @classmethod
+  def from_run(cls, rollout: Any, seed: int, run: RunContext | None = None
+               ) -> BranchingStrategy:
+    """The strategy a run's config asks for: `strategy_options(rollout, seed)`, plus what
+    the run builds (`run`: APPO's advantage config and current-policy scorer, TRACE's
+    predictor over the policy's vocabulary). Without `run`, only the config's options (a
+    rollout worker's strategy)."""
+    del run  # most strategies take nothing from the run
+    return cls(**strategy_options(rollout, seed))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """What a training run gives its strategy beyond the config's options.
+
+  Attributes:
+    estimator: config.algo.estimator (APPO's strategy shares APPO's advantage config).
+    estimator_config: that estimator's config object.
+    scorer: builds the current policy's scorer (`model_scorer`); called only by a strategy
+      that scores with the current policy.
+    vocab_size: the policy's vocabulary (TRACE's value-head predictor embeds tokens).
+  """
+
+  estimator: str
+  estimator_config: Any
+  scorer: Callable[[], Any] | None = None
+  vocab_size: int | None = None
+
 
 STRATEGIES: dict[str, type] = {}
 
@@ -98,6 +126,15 @@ def register(name: str) -> Callable[[type], type]:
     return cls
 
   return wrap
+
+
+def strategy_for_run(rollout: Any, seed: int, run: RunContext | None = None
+                     ) -> BranchingStrategy:
+  """`rollout.strategy`'s class built by its `from_run`."""
+  if rollout.strategy not in STRATEGIES:
+    raise ValueError(f"unknown branching strategy {rollout.strategy!r}; valid: "
+                     f"{sorted(STRATEGIES)}")
+  return STRATEGIES[rollout.strategy].from_run(rollout, seed, run)
 
 
 def make_strategy(name: str, **kwargs: Any) -> BranchingStrategy:

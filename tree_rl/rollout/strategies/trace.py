@@ -54,7 +54,8 @@ import numpy as np
 from tree_rl.algos.trace import allocate_prefixes, allocate_roots, flip_probability
 from tree_rl.algos.trace_value import ValueHeadConfig, ValueHeadPredictor, supervision_examples
 from tree_rl.rollout.branching import Branch, Forest
-from tree_rl.rollout.strategies.base import BranchingStrategy, register
+from tree_rl.rollout.strategies.base import (BranchingStrategy, RunContext, register,
+                                             strategy_options)
 from tree_rl.tree.rollout_tree import RolloutTree
 from tree_rl.tree.types import LeafTag, NodeKind
 
@@ -230,6 +231,18 @@ class TRACEStrategy(BranchingStrategy):
   @property
   def last_metrics(self) -> dict[str, float]:
     return self._logs
+
+  @classmethod
+  def from_run(cls, rollout: Any, seed: int, run: RunContext | None = None) -> TRACEStrategy:
+    """The predictor the config names (rollout.strategy_kwargs.predictor, default
+    running_mean, with predictor_kwargs), over the run's vocabulary and seeded by `seed`."""
+    kw = strategy_options(rollout, seed)
+    name, options = kw.pop("predictor", "running_mean"), kw.pop("predictor_kwargs", {})
+    if name != "running_mean" and (run is None or run.vocab_size is None):
+      raise ValueError(f"TRACE's predictor {name!r} needs the policy's vocabulary (a run)")
+    kw["predictor"] = make_predictor(name, vocab_size=run.vocab_size if run else 0, seed=seed,
+                                     **options)
+    return cls(**kw)
 
   def state_dict(self) -> dict[str, Any]:
     """The predictor's learned state, tagged with its class (for checkpoints)."""
