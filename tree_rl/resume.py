@@ -76,7 +76,6 @@ class Restored:
     ckpt: this workdir's RL checkpointer (the run saves here).
     sft_progress: the SFT progress checkpointer while SFT is not superseded, else None.
     source: the checkpointer restored from (ckpt, sft_progress or config.resume's), or None.
-    own: whether the source is this workdir's (a resume, not a fresh start).
   """
 
   state: Any
@@ -84,7 +83,6 @@ class Restored:
   ckpt: RunCheckpointer
   sft_progress: RunCheckpointer | None
   source: RunCheckpointer | None
-  own: bool
 
 
 def restore(workdir: pathlib.Path, config_dict: dict[str, Any], cfg: Any, state: Any,
@@ -122,7 +120,7 @@ def restore(workdir: pathlib.Path, config_dict: dict[str, Any], cfg: Any, state:
   writer.keep_only(lambda row: own is not None and kept_row(row, run))
   if source is not None and source.rejected:  # steps that did not verify: an older one resumed
     writer.write(run.step, source.fallback_metrics(), phase="checkpoint")
-  return Restored(state, run, ckpt, sft_progress, source, own is not None)
+  return Restored(state, run, ckpt, sft_progress, source)
 
 
 def kept_row(row: dict[str, Any], run: RunState) -> bool:

@@ -195,7 +195,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   workdir_path.mkdir(parents=True, exist_ok=True)
   family = make_family(cfg.task.family, **cfg.task.kwargs)
   isolation = _isolation(family)
-  check_vllm(cfg)  # before any compile
+  vllm_python = check_vllm(cfg)  # before any compile
   train_tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
   eval_tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
   # The reasoning judge scores every leaf into channel "reasoning" (AWPO's R_reason); a
@@ -236,7 +236,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
           tokens=TOKEN_BUCKETS, trees=placement.tree_buckets()),
                                place_batch=placement.place_batch),
       leaf_rewards=reasoning, rollout_model=placement.rollout_model, workdir=workdir_path,
-      timer=timer)
+      timer=timer, vllm_python=vllm_python)
   if restored.source is not None and restored.source is not restored.sft_progress:
     restore_method_state(rollout.strategy, restored.source, run.to_json())
   fit = ShapeFitter(model)  # each batch's tightest blockwise bound

@@ -98,17 +98,19 @@ class Rollout:
   def __init__(self, cfg: RunConfig, state: Any, tokenizer, chat: ChatFormat,
                family: Any, *, estimator_config: Any, scorer: Callable[[Decoder], Any],
                leaf_rewards: Any, rollout_model: Callable[[Decoder], Decoder],
-               workdir: pathlib.Path, timer: metrics_lib.PhaseTimer):
+               workdir: pathlib.Path, timer: metrics_lib.PhaseTimer,
+               vllm_python: str | None = None):
     """`state`: the learner's TrainState; `scorer(model)`: the current-policy scorer of
     `model` (`model_scorer`); `rollout_model(model)`: `model` placed as the samplers
-    take it (`Placement.rollout_model`)."""
+    take it (`Placement.rollout_model`); `vllm_python`: with rollout.engine='vllm', the
+    interpreter that has vLLM (`check_vllm`)."""
     r = self._r = cfg.rollout
     self._rollout_model, self._timer = rollout_model, timer
     # The samplers' first weights: their own copy with S > 0, where the producer still
     # samples from them while the first update donates the state's buffers.
     first = rollout_model(owned(state.model()) if r.max_staleness else state.model())
     if r.engine == "vllm":
-      self.sampler = vllm_engine(cfg, state.model(), tokenizer, chat, workdir, check_vllm(cfg))
+      self.sampler = vllm_engine(cfg, state.model(), tokenizer, chat, workdir, vllm_python)
     else:
       self.sampler = JaxSampler(first, rows=r.cache_rows, slots=r.max_context_tokens,
                                 tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
