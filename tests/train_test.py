@@ -413,6 +413,7 @@ def test_attention_fitter_picks_the_tightest_ladder_bound():
   from tree_rl.models.attention import KV_LADDER, AttentionConfig, max_visible_blocks
   from tree_rl.models.logprobs import tree_logprobs
   from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
+  from tree_rl.tree.batch import pack_sound
 
   rng = np.random.default_rng(0)
   toks = lambda n: [int(x) for x in rng.integers(3, 200, n)]
@@ -434,6 +435,43 @@ def test_attention_fitter_picks_the_tightest_ladder_bound():
   np.testing.assert_allclose(np.asarray(tree_logprobs(fitted.model(), batch)[0]),
                              np.asarray(tree_logprobs(state.model(), batch)[0]), atol=1e-5)
   assert fit(fitted, batch).graphdef is fitted.graphdef  # one graph (and compile) per bound
+  # The trainer's packing brings the bound from the host arrays: the same graph, no readback.
+  packed = pack_sound([tree], Buckets(tokens=(512,)), attention_block=fit.block)
+  assert packed.kv_blocks == need
+  assert fit(state, packed.batch, packed.kv_blocks).graphdef is fitted.graphdef
+
+
+def test_a_fitted_step_runs_under_the_transfer_guard():
+  """`ShapeFitter.wrap` runs a step with every transfer explicit: a host value that would
+  be copied to the device on each step (here a Python float) fails at once."""
+  import jax
+  import optax
+  from flax import nnx
+
+  from tree_rl.algos import ppo
+  from tree_rl.models import Decoder, ModelConfig
+  from tree_rl.models.attention import OVERFLOW_METRIC, AttentionConfig
+  from tree_rl.tree import Buckets, NodeKind, RolloutTree
+  from tree_rl.tree.batch import pack_sound
+
+  tree = RolloutTree.new([5] * 40)
+  tree.add_leaf(tree.add_node(0, NodeKind.POLICY, [6] * 30, logprobs=[-1.0] * 30), {"outcome": 1.0})
+  model = Decoder(ModelConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0),
+                  attention_config=AttentionConfig("blockwise", 32, 4))
+  state = ppo.init_state(model, optax.sgd(0.0))
+  fit = rl_step.ShapeFitter(model)
+  packed = pack_sound([tree], Buckets(tokens=(128,)), attention_block=fit.block)
+  tokens = jax.jit(lambda b, scale: (b.tokens.sum() * scale, 0))
+
+  def step(state, batch, scale):
+    total, pairs = tokens(batch, scale)
+    return state, {"total": total, OVERFLOW_METRIC: pairs}
+
+  run = fit.wrap(step)
+  _, m = run(state, packed, jax.device_put(np.float32(2.0)))  # explicit: allowed
+  assert m["total"] == 2 * (40 * 5 + 30 * 6)
+  with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+    run(state, packed, 2.0)
 
 
 def test_sft_order_groups_tasks_by_system_prompt_and_rotates():

@@ -32,7 +32,7 @@ from tree_rl.metrics import MetricWriter, Progress
 from tree_rl.resume import RunState
 from tree_rl.rollout.agent_loop import AgentLoop
 from tree_rl.rollout.pipeline import RolloutInterrupted
-from tree_rl.tree.batch import Buckets, check_bad_trees, pack_sound
+from tree_rl.tree.batch import Packed, check_bad_trees
 from tree_rl.tree.rollout_tree import RolloutTree
 
 
@@ -86,7 +86,8 @@ class StopFlag:
       signal.signal(sig, old)
 
 
-def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: AgentLoop, train_tasks: Sequence[Any], buckets: Buckets,
+def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: AgentLoop,
+                   train_tasks: Sequence[Any], pack: Callable[[Sequence[RolloutTree]], Packed],
                    progress: RunCheckpointer, run: RunState, writer: MetricWriter,
                    stop: StopFlag) -> Any:
   """Trains `spec.steps` SFT steps on the oracle's trajectories, from `run.sft_step`.
@@ -95,11 +96,11 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     spec: config.sft.
     sft_state: the policy's TrainState with SFT's fresh optimizer state (config.sft.lr),
       placed on the mesh.
-    sft_step: `(state, batch) -> (state, host metrics)`, jitted and fitted to each batch's
-      attention bound (`rl_step.ShapeFitter.wrap`).
+    sft_step: `(state, packed) -> (state, host metrics)` on a `tree.batch.Packed`, jitted
+      and fitted to each batch's attention bound (`rl_step.ShapeFitter.wrap`).
     teacher: the agent loop on the oracle engine.
     train_tasks: the run's training tasks.
-    buckets: the packing buckets of one tree.
+    pack: `tree.batch.pack_sound` with the buckets of one tree.
     progress: SFT's progress checkpointer. Step k holds the state after k SFT steps and
       `run` (base eval included); step 0 is written first, so the base eval is kept.
     run: the run's state; `run.sft_step` counts the SFT steps done (`sft_skipped` those
@@ -130,9 +131,9 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     tasks = [order[(i * n + j) % len(order)] for j in range(n)]
     # One tree per step: the step's trajectories store their shared prompt once.
     trees = [t for t in teacher.rollout(tasks) if t.leaves]
-    batch, bad = pack_sound([RolloutTree.merge_prompts(trees)], buckets)
-    check_bad_trees(i, bad, 1, 0.0)  # the oracle's own trajectories: none may fail
-    sft_state, m = sft_step(sft_state, batch)
+    packed = pack([RolloutTree.merge_prompts(trees)])
+    check_bad_trees(i, packed.bad, 1, 0.0)  # the oracle's own trajectories: none may fail
+    sft_state, m = sft_step(sft_state, packed)
     row = {k: float(v) for k, v in m.items()}
     if row.get("sft/skipped"):  # non-finite loss, gradient or new weights: the state is kept
       run.sft_skipped += 1

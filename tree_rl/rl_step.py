@@ -35,7 +35,7 @@ from tree_rl.models import Decoder
 from tree_rl.models.attention import OVERFLOW_METRIC, AttentionFitter, raise_on_overflow
 from tree_rl.rollout import dynamic_sampling
 from tree_rl.rollout.pipeline import Produced
-from tree_rl.tree.batch import Buckets
+from tree_rl.tree.batch import Buckets, Packed
 
 # Packed row lengths: multiples of 256 up to 8k tokens, then powers of two. A new
 # length costs one compile of the update step (seconds on a CPU); padding a
@@ -81,23 +81,33 @@ class ShapeFitter:
       return batch
     return batch.replace(max_path_len=path, max_loss_tokens=loss)
 
-  def __call__(self, state: ppo.TrainState, batch) -> ppo.TrainState:
+  def __call__(self, state: ppo.TrainState, batch, kv_blocks: int = 0) -> ppo.TrainState:
     if not self.fit.base.bounded:
       return state
-    return state.replace(graphdef=self.fit.graphdef(batch))
+    return state.replace(graphdef=self.fit.graphdef(batch, kv_blocks))
+
+  @property
+  def block(self) -> int | None:
+    """The attention block `pack_sound` computes the bound at (None: an unbounded model)."""
+    return self.fit.base.block if self.fit.base.bounded else None
 
   def wrap(self, step: Callable) -> Callable:
-    """`step(state, batch, *args) -> (state, metrics)` run on the fitted graph, its
-    metrics read back to the host, where the attention backstop the step returned
-    (`OVERFLOW_METRIC`, popped from the metrics) raises if the bound was too small."""
+    """`step(state, batch, *args) -> (state, metrics)` as `run(state, packed, *args)` on a
+    `tree.batch.Packed`: run on the graph fitted to the packed bound, with the batch's
+    widths widened, its metrics read back to the host, where the attention backstop the
+    step returned (`OVERFLOW_METRIC`, popped from the metrics) raises if the bound was too
+    small. The step runs under `jax.transfer_guard("disallow")`: every transfer in it is
+    explicit (`jax.device_put` of the batch, `jax.device_get` of the metrics), so a stray
+    host array or Python scalar that would copy on every step fails at once."""
 
-    def run(state, batch, *args):
-      batch = self.widen(batch)
-      state, metrics = step(self(state, batch), batch, *args)
-      metrics = jax.device_get(metrics)
+    def run(state, packed: Packed, *args):
+      batch = self.widen(packed.batch)
+      with jax.transfer_guard("disallow"):
+        state, metrics = step(self(state, batch, packed.kv_blocks), batch, *args)
+        metrics = jax.device_get(metrics)
       pairs = int(metrics.pop(OVERFLOW_METRIC))
       if pairs:
-        raise_on_overflow(pairs, batch.tokens.shape, self.fit.config(batch))
+        raise_on_overflow(pairs, batch.tokens.shape, self.fit.config(batch, packed.kv_blocks))
       return state, metrics
 
     return run
@@ -108,8 +118,9 @@ class Learner:
   """How a step's trees become updates.
 
   Attributes:
-    update: `(state, batch, key) -> (state, host metrics)`.
-    pack: `trees -> (TreeBatch or None, [(task id, why)] of the bad trees dropped)`.
+    update: `(state, packed, key) -> (state, host metrics)` (`ShapeFitter.wrap`).
+    pack: `trees -> tree.batch.Packed` (the TreeBatch of the sound trees, or None, and the
+      bad trees dropped, as (task id, why)).
     num_parts: 1: one update over the step's batch; k > 1: one update per mini-batch of the
       step's trees in tree order (k of them), with key `fold_in(key, part)`.
     branch_between: APPO's per-mini-batch branching (num_parts > 1): each mini-batch's
@@ -119,7 +130,7 @@ class Learner:
   """
 
   update: Callable[..., tuple[Any, dict[str, Any]]]
-  pack: Callable[[Sequence[Any]], tuple[Any, list[tuple[str, str]]]]
+  pack: Callable[[Sequence[Any]], Packed]
   num_parts: int = 1
   branch_between: bool = False
   trace_ratio: bool = False
@@ -178,13 +189,13 @@ def rl_step(learner: Learner, rollout: Any, state: ppo.TrainState, produced: Pro
         trees = [items[i] for i in ids]
       trained.append((trees, rollout.engine.published))
       with timer("pack"):
-        batch, part_bad = learner.pack(trees)
-      bad += part_bad
-      if batch is not None:
+        packed = learner.pack(trees)
+      bad += packed.bad
+      if packed.batch is not None:
         if learner.trace_ratio:
-          ratios.append(float(effective_ratio(batch)))
+          ratios.append(float(effective_ratio(packed.batch)))
         with timer("update"):
-          state, m = learner.update(state, batch, jax.random.fold_in(key, k)
+          state, m = learner.update(state, packed, jax.random.fold_in(key, k)
                                     if learner.num_parts > 1 else key)
         parts.append(jax.device_get(m))
       if grow:

@@ -134,7 +134,7 @@ def _learner(cfg: RunConfig, ppo_config: ppo.PPOConfig, placement: Placement, op
   packing = buckets(trees)
   logging.info("%s", placement.geometry(cfg.prompts_per_step, trees))
   return Learner(update=fit.wrap(placement.update_step(config, optimizer)),
-                 pack=lambda ts: pack_sound(ts, packing, unscored, vocab),
+                 pack=lambda ts: pack_sound(ts, packing, unscored, vocab, fit.block),
                  num_parts=a.num_minibatches if split else 1, branch_between=branch,
                  trace_ratio=cfg.rollout.strategy == "trace")
 
@@ -267,7 +267,9 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
         sft_state = sft_warm_start(
             cfg.sft, placement.place_state(state.replace(opt_state=sft_opt.init(state.params))),
             fit.wrap(placement.sft_step(sft_opt, LOGPROB_CHUNK)), teacher, train_tasks,
-            buckets(placement.trees_bucket(1)), restored.sft_progress, run, writer, stop)
+            functools.partial(pack_sound, buckets=buckets(placement.trees_bucket(1)),
+                              attention_block=fit.block),
+            restored.sft_progress, run, writer, stop)
       state = placement.place_state(sft_state.replace(opt_state=optimizer.init(sft_state.params)))
       rollout.sync(state)
       run.sft_done = True

@@ -163,9 +163,11 @@ def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
   from tree_rl import rl_step
   from tree_rl.rollout.dynamic_sampling import StepRollout
   from tree_rl.rollout.pipeline import Produced
+  from tree_rl.tree.batch import Packed
 
   def _update_by_minibatch(state, trees, parts, update, pack_fn, key, timer):
-    learner = rl_step.Learner(update=update, pack=pack_fn, num_parts=parts)
+    learner = rl_step.Learner(update=lambda s, packed, k: update(s, packed.batch, k),
+                              pack=lambda ts: Packed(pack_fn(ts), []), num_parts=parts)
     grown = StepRollout(trees=trees, train=trees, prompts=len(trees), episodes=0, truncated=0,
                         policy_tokens=0, strategy_metrics={})
     rollout = types.SimpleNamespace(engine=types.SimpleNamespace(published=0))
@@ -196,7 +198,7 @@ def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
   part_buckets = Buckets(tokens=sizes, trees=(2,))
   got, bad, m = _update_by_minibatch(
       ppo.init_state(model, opt), [trees[i] for i in order], 2, per_part,
-      lambda ts: (pack(ts, part_buckets), []), key, metrics_lib.PhaseTimer())
+      lambda ts: pack(ts, part_buckets), key, metrics_lib.PhaseTimer())
   assert not bad and np.isfinite(m["loss"]) and m["l2_updates"] > 0
   assert whole.tokens.shape[1] > min(  # the parts are packed smaller than the whole
       pack([trees[i] for i in order[:2]], part_buckets).tokens.shape[1],
@@ -207,7 +209,7 @@ def test_appo_minibatches_packed_alone_make_the_updates_of_one_padded_call():
   # above would catch a trainer that updated the mini-batches in another order.
   swapped, _, _ = _update_by_minibatch(
       ppo.init_state(model, opt), [trees[i] for i in order[::-1]], 2, per_part,
-      lambda ts: (pack(ts, part_buckets), []), key, metrics_lib.PhaseTimer())
+      lambda ts: pack(ts, part_buckets), key, metrics_lib.PhaseTimer())
   assert max(jax.tree.leaves(jax.tree.map(
       lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
       jax.device_get(want.params), jax.device_get(swapped.params)))) > 1e-3
@@ -241,8 +243,10 @@ def test_wider_static_shapes_give_bitwise_the_same_update():
     assert batch.max_loss_tokens < 256 and float(metrics["l2_updates"]) > 0
     return jax.device_get((state.params, metrics))
 
+  # Each case is a compile of APPO's update (the slowest part of the fast tier): the bound
+  # alone (the attention scan's padding, the subtlest) and all four sizes widened at once.
   tight = update(32, 0, 1, 1)
-  for wide in [(64, 0, 1, 1), (32, 3, 1, 1), (32, 0, 2, 1), (32, 0, 1, 2), (64, 2, 2, 2)]:
+  for wide in [(32, 3, 1, 1), (64, 2, 2, 2)]:
     jax.tree.map(np.testing.assert_array_equal, tight, update(*wide))
 
 

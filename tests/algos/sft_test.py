@@ -4,6 +4,7 @@ kept, `sft/skipped` says so, and the SFT loop warns and counts the skipped steps
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -20,6 +21,7 @@ from tree_rl.phases import StopFlag, sft_warm_start
 from tree_rl.resume import RunState
 from tree_rl.rollout.agent_loop import AgentLoop
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack
+from tree_rl.tree.batch import pack_sound
 
 BUCKETS = Buckets(tokens=(64,), trees=(2,))
 
@@ -94,8 +96,9 @@ def test_the_sft_loop_warns_and_counts_skipped_steps(tmp_path, caplog):
   try:
     with caplog.at_level(logging.WARNING):
       out = sft_warm_start(SFTSpec(steps=2, tasks_per_step=2, ckpt_every_steps=2), state,
-                           sft.jit_sft_step(opt, 64), _Teacher(),
-                           [_Task(f"t{i}") for i in range(3)], Buckets(tokens=(64,), trees=(1,)),
+                           lambda s, packed: sft.jit_sft_step(opt, 64)(s, packed.batch), _Teacher(),
+                           [_Task(f"t{i}") for i in range(3)],
+                           functools.partial(pack_sound, buckets=Buckets(tokens=(64,), trees=(1,))),
                            RunCheckpointer(tmp_path / "ckpt"), run, writer, stop)
   finally:
     stop.restore()

@@ -39,8 +39,10 @@ def test_pack_drops_a_nan_reward_an_oversized_tree_and_a_foreign_token_and_names
   oov.add_leaf(oov.add_node(0, NodeKind.POLICY, [5, 4000], [-1.0, -1.0]), {"outcome": 1.0})
   trees = [_tree("ok"), _tree("nan", reward=float("nan")), _tree("big", tokens=300), oov,
            RolloutTree.new([1, 2], meta={"task_id": "empty"})]
-  batch, bad = pack_sound(trees, Buckets(tokens=(256,), trees=(4,)), vocab_size=1000)
+  packed = pack_sound(trees, Buckets(tokens=(256,), trees=(4,)), vocab_size=1000)
+  batch, bad = packed.batch, packed.bad
   assert batch is not None and batch.tokens.shape[0] == 4  # the sound tree, padded
+  assert packed.kv_blocks == 0  # no attention block asked for
   assert [t for t, _ in bad] == ["nan", "big", "oov"]
   assert "reward 'outcome' is nan" in bad[0][1] and "exceed the largest bucket" in bad[1][1]
   assert "4000" in bad[2][1], bad[2]

@@ -42,6 +42,7 @@ from flax import nnx
 from jax import lax
 
 from tree_rl.models.pallas_attention import pallas_tree_attention
+from tree_rl.tree.batch import max_visible_blocks
 from tree_rl.tree.types import Array, Bool, Float, Int
 
 ATTENTION_IMPLS = ("dense", "blockwise", "pallas")
@@ -165,40 +166,6 @@ def kv_block_pairs(tree: TreeMask, block: int, max_kv_blocks: int
   return q_blk.astype(jnp.int32), k_blk.astype(jnp.int32), overflow
 
 
-def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int,
-                       subtree_end: np.ndarray | None = None) -> int:
-  """Host-side exact static bound for `kv_block_pairs` (numpy, no jit): the
-  smallest `max_kv_blocks` whose nb * max_kv_blocks slots hold every row's visible
-  (query block, key block) pairs.
-
-  node_of_token `[B, L]`, parent `[B, N]` and subtree_end `[B, N]` as in TreeBatch;
-  with subtree_end the ancestor test is a comparison for every row at once, without
-  it each row's ancestors are followed up its parents.
-  """
-  node_of_token, parent = np.asarray(node_of_token), np.asarray(parent)
-  b, l = node_of_token.shape
-  nb, n = l // block, parent.shape[1]
-  idx = np.arange(n)
-  if subtree_end is not None:  # anc[t, i, j]: j <= i < subtree_end[t, j]
-    end = np.asarray(subtree_end)
-    anc = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])
-  else:
-    anc = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
-    for t in range(b):
-      for i in range(n):
-        if parent[t, i] >= 0:
-          anc[t, i] |= anc[t, parent[t, i]]
-  # present[t, q, i]: block q holds a token of node i (padding tokens to a dropped column).
-  present = np.zeros((b, nb, n + 1), np.float32)
-  cols = np.where(node_of_token >= 0, node_of_token, n).reshape(b, nb, block)
-  present[np.arange(b)[:, None, None], np.arange(nb)[None, :, None], cols] = 1.0
-  present = present[:, :, :n]
-  vis = np.einsum("bqi,bij,bkj->bqk", present, anc.astype(np.float32), present,
-                  optimize=True) > 0
-  vis &= np.tril(np.ones((nb, nb), bool))
-  return max(1, int(-(-vis.sum((1, 2)).max() // nb)))
-
-
 # Static bounds blockwise attention is fitted to: the smallest one that holds a batch's
 # visible pairs is used, so a run compiles once per (token bucket, bound) while a step
 # computes little more than the visible pairs.
@@ -217,12 +184,23 @@ def fit_attention(config: AttentionConfig, node_of_token: np.ndarray, parent: np
   if not config.bounded:
     return config
   l = node_of_token.shape[1]
-  if l % config.block:
-    raise ValueError(f"packed length L={l} must be a multiple of the attention block "
-                     f"{config.block}")
-  need = max_visible_blocks(node_of_token, parent, config.block, subtree_end)
+  _check_length(config, l)
+  return fit_bound(config, l, max_visible_blocks(node_of_token, parent, config.block,
+                                                 subtree_end))
+
+
+def fit_bound(config: AttentionConfig, length: int, need: int) -> AttentionConfig:
+  """`config` (bounded) with the tightest `KV_LADDER` bound of at least `need` blocks (a
+  batch's `max_visible_blocks`), at most nb = length / block."""
+  _check_length(config, length)
   bound = next((m for m in KV_LADDER if m >= need), need)
-  return dataclasses.replace(config, max_kv_blocks=min(bound, l // config.block))
+  return dataclasses.replace(config, max_kv_blocks=min(bound, length // config.block))
+
+
+def _check_length(config: AttentionConfig, length: int) -> None:
+  if length % config.block:
+    raise ValueError(f"packed length L={length} must be a multiple of the attention block "
+                     f"{config.block}")
 
 
 class AttentionFitter:
@@ -251,21 +229,26 @@ class AttentionFitter:
     self.graphs = {self.base: graphdef}
     self.bounds: dict[tuple[int, ...], int] = {}  # the largest bound fitted per [B, L]
 
-  def config(self, batch) -> AttentionConfig:
-    """The attention config of a host-side TreeBatch: its `fit_attention` bound, or the
-    larger one its shape already has."""
-    fitted = fit_attention(self.base, np.asarray(batch.node_of_token),
-                           np.asarray(batch.parent), np.asarray(batch.subtree_end))
-    if not fitted.bounded:
-      return fitted
+  def config(self, batch, kv_blocks: int = 0) -> AttentionConfig:
+    """The attention config of a TreeBatch: its `fit_attention` bound, or the larger one
+    its shape already has. `kv_blocks`: the batch's `max_visible_blocks` at this model's
+    block when the caller has it (`tree.batch.pack_sound` computes it on the host);
+    without it (0) the bound is computed from the batch's arrays, read to the host."""
+    if not self.base.bounded:
+      return self.base
+    if kv_blocks:
+      fitted = fit_bound(self.base, batch.tokens.shape[1], kv_blocks)
+    else:
+      fitted = fit_attention(self.base, np.asarray(batch.node_of_token),
+                             np.asarray(batch.parent), np.asarray(batch.subtree_end))
     shape = tuple(batch.tokens.shape)
     bound = max(fitted.max_kv_blocks, self.bounds.get(shape, 0))
     self.bounds[shape] = bound
     return dataclasses.replace(fitted, max_kv_blocks=bound)
 
-  def graphdef(self, batch):
-    """The model's graphdef with `config(batch)` (cached per bound)."""
-    attn = self.config(batch)
+  def graphdef(self, batch, kv_blocks: int = 0):
+    """The model's graphdef with `config(batch, kv_blocks)` (cached per bound)."""
+    attn = self.config(batch, kv_blocks)
     if attn not in self.graphs:
       model = nnx.merge(self._graphdef, self._abstract)
       model.attention_config = attn

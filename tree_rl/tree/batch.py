@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Sequence
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
@@ -152,6 +153,14 @@ def pack(
         tree.check(vocab_size=vocab_size, reward_channels=required_channels)
       except TreeError as e:
         raise TreeError(f"tree {b}: {e}") from None
+  arrays, static = _host_arrays(trees, buckets, reward_channels, absent_as_nan)
+  return TreeBatch(**jax.device_put(arrays), **static)
+
+
+def _host_arrays(trees: Sequence[RolloutTree], buckets: Buckets,
+                 reward_channels: tuple[str, ...], absent_as_nan: tuple[str, ...]
+                 ) -> tuple[dict[str, np.ndarray], dict[str, object]]:
+  """`pack`'s work on the host: (the TreeBatch's arrays as numpy, its static fields)."""
   lays = [_Layout(tree) for tree in trees]
 
   n_trees = Buckets.pick("trees", buckets.trees, len(lays)) if buckets.trees else len(lays)
@@ -197,8 +206,7 @@ def pack(
         if name in chan:
           leaf_reward[b, k, chan[name]] = v
 
-  return TreeBatch(
-      **{name: jnp.asarray(x) for name, x in a.items()},
+  return a, dict(
       reward_channels=tuple(reward_channels),
       max_path_len=P,
       max_loss_tokens=_policy_width(int(loss_mask.sum(axis=1).max()), L, bool(buckets.tokens)),
@@ -219,17 +227,36 @@ def padded_arrays(n_trees: int, L: int, N: int, K: int, C: int) -> dict[str, np.
       node_tokens=z(N), node_policy_tokens=z(N))
 
 
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """What `pack_sound` gives a training step.
+
+  Attributes:
+    batch: the sound trees packed, or None when no tree was sound.
+    bad: (task id, why) of each tree dropped.
+    kv_blocks: with `attention_block`, the batch's `max_visible_blocks` (blockwise
+      attention's bound, `tree_rl.models.attention.fit_attention`), computed from the host
+      arrays before they go to the device; 0 when not asked for.
+  """
+
+  batch: TreeBatch | None
+  bad: list[tuple[str, str]]
+  kv_blocks: int = 0
+
+
 def pack_sound(trees: Sequence[RolloutTree], buckets: Buckets,
-               absent_as_nan: tuple[str, ...] = (), vocab_size: int | None = None
-               ) -> tuple[TreeBatch | None, list[tuple[str, str]]]:
-  """Packs the sound trees: (TreeBatch or None, [(task id, why)] of the bad ones dropped).
+               absent_as_nan: tuple[str, ...] = (), vocab_size: int | None = None,
+               attention_block: int | None = None) -> Packed:
+  """Packs the sound trees (a `Packed`).
 
   The trainer's entry to `pack`. A tree without leaves (every episode lost to a full
   context) is left out silently (the trainer counts those itself); one that fails
   `RolloutTree.check` (a NaN reward, ...) or holds more tokens than the largest bucket is
   dropped with a warning naming its task; with `vocab_size`, so is one holding a token
   outside the vocabulary. Leaf channels in `absent_as_nan` are NaN where a leaf lacks them
-  (AWPO's missing judge score, docs/methods/awpo.md)."""
+  (AWPO's missing judge score, docs/methods/awpo.md). With `attention_block`, the batch's
+  blockwise-attention bound at that block size comes along (`Packed.kv_blocks`), so the
+  step need not read the batch back from the device to fit its graph."""
   kept, bad = [], []
   for t in trees:
     if not t.leaves:
@@ -244,8 +271,15 @@ def pack_sound(trees: Sequence[RolloutTree], buckets: Buckets,
       logging.warning("dropping the tree of task %s: %s", *bad[-1])
       continue
     kept.append(t)
-  # Checked above, tree by tree: pack need not check them again.
-  return (pack(kept, buckets, check=False, absent_as_nan=absent_as_nan) if kept else None), bad
+  if not kept:
+    return Packed(None, bad)
+  # Checked above, tree by tree: not checked again.
+  arrays, static = _host_arrays(kept, buckets, DEFAULT_REWARD_CHANNELS, absent_as_nan)
+  kv = 0
+  if attention_block:
+    kv = max_visible_blocks(arrays["node_of_token"], arrays["parent"], attention_block,
+                            arrays["subtree_end"])
+  return Packed(TreeBatch(**jax.device_put(arrays), **static), bad, kv)
 
 
 def check_bad_trees(step: int, bad: Sequence[tuple[str, str]], trees: int,
@@ -309,6 +343,41 @@ def _policy_width(need: int, length: int, bucketed: bool) -> int:
   if not bucketed:
     return max(need, 1)
   return min(max(256, 1 << max(0, need - 1).bit_length()), length)
+
+
+def max_visible_blocks(node_of_token: np.ndarray, parent: np.ndarray, block: int,
+                       subtree_end: np.ndarray | None = None) -> int:
+  """Host-side exact static bound for blockwise attention's pairs
+  (`tree_rl.models.attention.kv_block_pairs`) (numpy, no jit): the
+  smallest `max_kv_blocks` whose nb * max_kv_blocks slots hold every row's visible
+  (query block, key block) pairs.
+
+  node_of_token `[B, L]`, parent `[B, N]` and subtree_end `[B, N]` as in TreeBatch;
+  with subtree_end the ancestor test is a comparison for every row at once, without
+  it each row's ancestors are followed up its parents.
+  """
+  node_of_token, parent = np.asarray(node_of_token), np.asarray(parent)
+  b, l = node_of_token.shape
+  nb, n = l // block, parent.shape[1]
+  idx = np.arange(n)
+  if subtree_end is not None:  # anc[t, i, j]: j <= i < subtree_end[t, j]
+    end = np.asarray(subtree_end)
+    anc = (idx[None, None, :] <= idx[None, :, None]) & (idx[None, :, None] < end[:, None, :])
+  else:
+    anc = np.broadcast_to(np.eye(n, dtype=bool), (b, n, n)).copy()
+    for t in range(b):
+      for i in range(n):
+        if parent[t, i] >= 0:
+          anc[t, i] |= anc[t, parent[t, i]]
+  # present[t, q, i]: block q holds a token of node i (padding tokens to a dropped column).
+  present = np.zeros((b, nb, n + 1), np.float32)
+  cols = np.where(node_of_token >= 0, node_of_token, n).reshape(b, nb, block)
+  present[np.arange(b)[:, None, None], np.arange(nb)[None, :, None], cols] = 1.0
+  present = present[:, :, :n]
+  vis = np.einsum("bqi,bij,bkj->bqk", present, anc.astype(np.float32), present,
+                  optimize=True) > 0
+  vis &= np.tril(np.ones((nb, nb), bool))
+  return max(1, int(-(-vis.sum((1, 2)).max() // nb)))
 
 
 def unpack(batch: TreeBatch) -> list[RolloutTree]:
