@@ -49,7 +49,13 @@ REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train no
 SEEDS = (0, 1, 2)
 
 # %%
-from tree_rl import experiments as ex
+# The harness, notebooks/lib, sits beside this notebook: found from the repository root (a
+# script, Colab) or from notebooks/ (Jupyter).
+for folder in ("notebooks", "."):
+  if os.path.isfile(os.path.join(folder, "lib", "__init__.py")):
+    sys.path.insert(0, os.path.abspath(folder))
+    break
+import lib as ex  # noqa: E402
 
 PAPER = "trace"
 ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)

@@ -1,5 +1,5 @@
 """The paper notebooks (notebooks/*.py and their generated .ipynb) and the library they are
-thin clients of (tree_rl.experiments): the .ipynb agree with their sources, every notebook
+thin clients of (notebooks/lib): the .ipynb agree with their sources, every notebook
 runs end to end at the smoke scale into a temporary results root, and the runs' records,
 tables, plots and skip-when-finished logic on hand-made results."""
 
@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from tree_rl import experiments as ex
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))
 import build  # noqa: E402
+import lib as ex  # noqa: E402
+from lib import arms, running  # noqa: E402
 
 PAPERS = ("appo", "awpo", "portool", "trace")
 # The arms each notebook runs at the smoke scale: its main comparison's first two.
@@ -156,7 +156,7 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
   assert (tmp_path / paper / "tables.md").read_text(encoding="utf-8") == tables
 
 
-# ============================== tree_rl.experiments ==============================
+# ============================== notebooks/lib ==============================
 
 
 def _write_run(folder: pathlib.Path, rewards: list, accuracy: float | None,
@@ -263,10 +263,10 @@ def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
   assert (cpu.algo.estimator_kwargs.std_ddof, cpu.optim.lr) == (0, 3e-6)
   smoke = ex.build_config(arm, 0, "smoke")
   assert (smoke.model.name, smoke.num_steps) == ("tiny", 2)  # runlocal
-  monkeypatch.delenv(ex.GPU_MODEL_ENV, raising=False)
+  monkeypatch.delenv(arms.GPU_MODEL_ENV, raising=False)
   with pytest.raises(ValueError, match="TREE_RL_GPU_MODEL.*local Hugging Face"):
     ex.build_config(arm, 0, "gpu")  # nothing is downloaded
-  monkeypatch.setenv(ex.GPU_MODEL_ENV, str(tmp_path))
+  monkeypatch.setenv(arms.GPU_MODEL_ENV, str(tmp_path))
   gpu = ex.build_config(arm, 0, "gpu")
   assert (gpu.model.name, gpu.model.hf_folder) == ("hf", str(tmp_path))
   ex.check_arms([arm], "smoke")
@@ -282,10 +282,10 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
   appo = ex.build_config(ex.Arm("appo", "apppo"), 0, "cpu")
   for spec in ("portool", "grpo", "dapo", "arpo:group=2"):
     config = ex.build_config(ex.Arm("a", spec), 0, "cpu")
-    for field in ex.CPU_TOOLWORLD_FIELDS:
-      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
+    for field in arms.CPU_TOOLWORLD_FIELDS:
+      assert arms._get(config, field) == arms._get(appo, field), (spec, field)
     assert config.algo.estimator != "appo" and config.rollout.strategy != "appo"
-    assert ex.warm_start_key(config) == ex.warm_start_key(appo)
+    assert running.warm_start_key(config) == running.warm_start_key(appo)
   portool = ex.build_config(ex.Arm("p", "portool"), 0, "cpu")
   assert portool.rollout.strategy_kwargs.t_max == 5
   assert (portool.algo.num_minibatches, portool.algo.estimator) == (2, "portool")
@@ -295,15 +295,15 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
     config = ex.build_config(ex.Arm("w", spec), 0, "cpu")
     own = ex.build_config(ex.Arm("w", spec), 0, "smoke")
     assert config.task.family == family, spec
-    for field in ex.CPU_RECIPE_FIELDS:
-      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
+    for field in arms.CPU_RECIPE_FIELDS:
+      assert arms._get(config, field) == arms._get(appo, field), (spec, field)
     assert config.task.kwargs.to_dict() == {} and config.model.remat
     assert config.rollout.max_new_tokens == 160 != appo.rollout.max_new_tokens
     assert own.sft.steps <= 1  # the smoke scale keeps the configs' own runlocal presets
-  awpo_key = ex.warm_start_key(ex.build_config(ex.Arm("w", "awpo"), 0, "cpu"))
-  assert awpo_key == ex.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
-  assert awpo_key != ex.warm_start_key(appo)
-  assert ex.scale_overrides("smoke", "toolworld") == {} and ex.scale_overrides("cpu") == {}
+  awpo_key = running.warm_start_key(ex.build_config(ex.Arm("w", "awpo"), 0, "cpu"))
+  assert awpo_key == running.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
+  assert awpo_key != running.warm_start_key(appo)
+  assert arms.scale_overrides("smoke", "toolworld") == {} and arms.scale_overrides("cpu") == {}
   # An `:arg` that changes a field the scale sets would be undone silently: refused, with
   # the way out (the arm's overrides), which then wins.
   with pytest.raises(ValueError, match=r"'apppo:reward=gated' changes \['task.kwargs'\].*"
@@ -322,20 +322,13 @@ def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
 
 
 def test_scales_and_results_roots(monkeypatch):
-  monkeypatch.delenv(ex.RESULTS_ENV, raising=False)
-  monkeypatch.delenv(ex.SCALE_ENV, raising=False)
-  assert ex.get_scale() == "cpu"
-  monkeypatch.setenv(ex.SCALE_ENV, "smoke")
-  assert ex.get_scale() == "smoke"
-  monkeypatch.setenv(ex.SCALE_ENV, "tpu")
-  with pytest.raises(ValueError, match="valid scales"):
-    ex.get_scale()
+  monkeypatch.delenv(arms.RESULTS_ENV, raising=False)
   assert ex.results_root("cpu") == ROOT / "results"
   assert ex.results_root("gpu") == ROOT / "results" / "gpu"
   assert ROOT not in ex.results_root("smoke").parents  # never the committed results
-  monkeypatch.setenv(ex.RESULTS_ENV, "/tmp/elsewhere")
+  monkeypatch.setenv(arms.RESULTS_ENV, "/tmp/elsewhere")
   assert ex.results_root("cpu") == pathlib.Path("/tmp/elsewhere")
-  assert (ex.scale_args("smoke"), ex.scale_args("cpu"), ex.scale_overrides("cpu")) == (
+  assert (arms.scale_args("smoke"), arms.scale_args("cpu"), arms.scale_overrides("cpu")) == (
       "runlocal", "", {})
 
 
@@ -383,7 +376,7 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
     return {"steps": steps, "eval": {"rl": {}} if steps == config.num_steps else {}}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(ex, "_setup_process", lambda: None)  # no global JAX settings in tests
+  monkeypatch.setattr(running, "_setup_process", lambda: None)  # no global JAX settings in tests
   arm = ex.Arm("grpo", "grpo", {"sft.steps": 0})  # no SFT: no warm start (see below)
   run = ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)
   folder = tmp_path / "p" / "grpo_s0"
@@ -452,7 +445,7 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
     return {"steps": config.num_steps, "eval": {"base": {}, "sft": {}}}
 
   monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(ex, "_setup_process", lambda: None)
+  monkeypatch.setattr(running, "_setup_process", lambda: None)
   grpo = ex.Arm("grpo", "grpo", {"sft.steps": 1})
   other_rl = ex.Arm("grpo_g4", "grpo", {"sft.steps": 1, "rollout.samples_per_task": 4,
                                         "num_steps": 3})
@@ -465,9 +458,9 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
   assert len(warm_runs) == 3 and len(set(warm_runs)) == 3
   assert [name for name, resume in calls if resume] == [
       "grpo_s0", "grpo_g4_s0", "grpo_sft2_s0", "grpo_s1"]
-  key = ex.warm_start_key(ex.build_config(grpo, 0, "smoke"))
-  assert key == ex.warm_start_key(ex.build_config(other_rl, 0, "smoke"))
-  assert key != ex.warm_start_key(ex.build_config(longer_sft, 0, "smoke"))
+  key = running.warm_start_key(ex.build_config(grpo, 0, "smoke"))
+  assert key == running.warm_start_key(ex.build_config(other_rl, 0, "smoke"))
+  assert key != running.warm_start_key(ex.build_config(longer_sft, 0, "smoke"))
   warm = tmp_path / ".warm_starts" / f"{key}_s0"
   assert dict(calls)["grpo_s0"] == str((warm / "checkpoints").resolve())
   assert json.loads((warm / "warm.json").read_text())["key"] == f"{key}_s0"
@@ -480,10 +473,10 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
   assert json.loads((run.path / "arm.json").read_text())["warm_start"]["key"] == f"{key}_s0"
   assert not (run.path / "checkpoints").exists()
   # Grafting twice (a run interrupted after it) leaves one copy of the warm start's rows.
-  ex._graft_warm_start(run.path, warm)
+  running._graft_warm_start(run.path, warm)
   assert len(ex.load_run(run.path).history) == 7
   # A re-plot of the finished arm warns about nothing (its config.json names the warm start).
-  assert ex.config_changes(run.path, ex.build_config(other_rl, 0, "smoke")) == []
+  assert running.config_changes(run.path, ex.build_config(other_rl, 0, "smoke")) == []
   assert ex.load_runs(tmp_path, "p")[0].arm == "grpo"  # .warm_starts is not a paper's run
 
   # pass_k: the SFT policy (the warm start's checkpoint) is sampled once per warm start and
@@ -498,7 +491,7 @@ def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, mon
     (path / "eval_sampled.json").write_text(json.dumps({"metrics": metrics}))
     return metrics
 
-  monkeypatch.setattr(ex, "sampled_eval", fake_sampled_eval)
+  monkeypatch.setattr(running, "sampled_eval", fake_sampled_eval)
   for name in ("grpo_pass", "grpo_pass2"):
     ex.run_arm("p", ex.Arm(name, "grpo", {"sft.steps": 1}), 0, "smoke", tmp_path, pass_k=2,
                isolate=False)
@@ -516,15 +509,15 @@ def test_warm_start_key_tracks_what_the_prefix_reads():
           {"prompts_per_step": 8}, {"eval_every_steps": 2}]
   differ = [{"sft.lr": 1e-3}, {"task.num_eval_tasks": 3}, {"rollout.max_new_tokens": 17},
             {"model.lora_rank": 4}]
-  key = ex.warm_start_key(base)
+  key = running.warm_start_key(base)
   for overrides in same + differ:
     config = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1, **overrides}), 0, "smoke")
-    assert (ex.warm_start_key(config) == key) == (overrides in same), overrides
+    assert (running.warm_start_key(config) == key) == (overrides in same), overrides
   # TRACE's predictor is in the checkpoint: its settings are part of the key.
   t1 = ex.build_config(ex.Arm("t", "trace"), 0, "smoke")
   t2 = ex.build_config(ex.Arm("t", "trace", {"rollout.strategy_kwargs.predictor_kwargs.lr": 3e-4}),
                        0, "smoke")
-  assert ex.warm_start_key(t1) != ex.warm_start_key(t2)
+  assert running.warm_start_key(t1) != running.warm_start_key(t2)
 
 
 def _child_pid(offset: int) -> int:
@@ -544,9 +537,9 @@ def test_call_in_child_returns_raises_and_reports_a_dead_child():
   """Runs train in a fresh process each (run_arm's isolate): the value comes back, an
   exception is raised here by name, and a child that dies without answering is an error
   naming its exit code."""
-  assert ex.call_in_child(_child_pid, 0) not in (os.getpid(), 0)
+  assert running.call_in_child(_child_pid, 0) not in (os.getpid(), 0)
   with pytest.raises(RuntimeError, match="_child_raises failed in its child process: "
                                          "ValueError: bad arm"):
-    ex.call_in_child(_child_raises)
+    running.call_in_child(_child_raises)
   with pytest.raises(RuntimeError, match="exited with code 3"):
-    ex.call_in_child(_child_dies)
+    running.call_in_child(_child_dies)

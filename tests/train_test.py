@@ -208,7 +208,7 @@ def test_async_rollouts_train_on_trees_at_most_one_update_old_and_resume(tmp_pat
 @pytest.mark.e2e
 def test_zero_steps_runs_the_sft_prefix_and_another_run_resumes_from_it(tmp_path):
   """num_steps=0: the base eval, SFT and the SFT eval, saved at step 0 (a warm start for
-  several arms, tree_rl.experiments.warm_start); a run with config.resume starts its RL from
+  several arms, notebooks/lib's warm-start arms); a run with config.resume starts its RL from
   there without redoing them."""
   c = _config("apppo")  # runlocal: 1 SFT step
   c.num_steps = 0
