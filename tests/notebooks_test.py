@@ -276,49 +276,35 @@ def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
     ex.build_config(ex.Arm("x", "grpo:nope=1"), 0, "cpu")
 
 
-def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
-  """At the cpu scale, tool-world arms of every paper take configs/apppo.py's setup (model,
-  tasks, SFT, eval, budget) and keep their own method; so they share its warm start."""
+def test_the_cpu_scale_is_the_configs_cpu_preset(monkeypatch, tmp_path):
+  """At the cpu scale an arm is its config at `:preset=cpu` (configs/common.py) plus its
+  overrides; at gpu, the scale's overrides go under the arm's, and an `:arg` they would undo
+  unseen is refused, naming the way out (the arm's overrides)."""
+  assert arms.config_file(ex.Arm("a", "configs/apppo.py:init=4"), "cpu") == (
+      ROOT / "configs" / "apppo.py", "preset=cpu,init=4")
+  assert arms.config_file(ex.Arm("a", "grpo"), "smoke")[1] == "runlocal"
   appo = ex.build_config(ex.Arm("appo", "apppo"), 0, "cpu")
-  for spec in ("portool", "grpo", "dapo", "arpo:group=2"):
-    config = ex.build_config(ex.Arm("a", spec), 0, "cpu")
-    for field in arms.CPU_TOOLWORLD_FIELDS:
-      assert arms._get(config, field) == arms._get(appo, field), (spec, field)
-    assert config.algo.estimator != "appo" and config.rollout.strategy != "appo"
-    assert running.warm_start_key(config) == running.warm_start_key(appo)
-  portool = ex.build_config(ex.Arm("p", "portool"), 0, "cpu")
-  assert portool.rollout.strategy_kwargs.t_max == 5
-  assert (portool.algo.num_minibatches, portool.algo.estimator) == (2, "portool")
-  # An arm's own override still wins; other families take the recipe, not the task's shape.
-  assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
-  for spec, family in (("awpo", "bfcl"), ("grpo:task=bfcl", "bfcl"), ("trace", "search_qa")):
-    config = ex.build_config(ex.Arm("w", spec), 0, "cpu")
-    own = ex.build_config(ex.Arm("w", spec), 0, "smoke")
-    assert config.task.family == family, spec
-    for field in arms.CPU_RECIPE_FIELDS:
-      assert arms._get(config, field) == arms._get(appo, field), (spec, field)
-    assert config.task.kwargs.to_dict() == {} and config.model.remat
-    assert config.rollout.max_new_tokens == 160 != appo.rollout.max_new_tokens
-    assert own.sft.steps <= 1  # the smoke scale keeps the configs' own runlocal presets
-  awpo_key = running.warm_start_key(ex.build_config(ex.Arm("w", "awpo"), 0, "cpu"))
-  assert awpo_key == running.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
-  assert awpo_key != running.warm_start_key(appo)
-  assert arms.scale_overrides("smoke", "toolworld") == {} and arms.scale_overrides("cpu") == {}
-  # An `:arg` that changes a field the scale sets would be undone silently: refused, with
-  # the way out (the arm's overrides), which then wins.
-  with pytest.raises(ValueError, match=r"'apppo:reward=gated' changes \['task.kwargs'\].*"
-                                       "arm's overrides"):
-    ex.build_config(ex.Arm("g", "apppo:reward=gated"), 0, "cpu")
-  with pytest.raises(ValueError, match=r"changes \['num_steps'\]"):
-    ex.build_config(ex.Arm("g", "grpo:steps=9"), 0, "cpu")
-  gated = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
-  config = ex.build_config(ex.Arm("g", "apppo:reward=gated", gated), 0, "cpu")
-  assert config.task.kwargs.malformed_outcome == -1.0
-  assert "wrong_outcome" not in ex.build_config(  # the smoke scale sets nothing
-      ex.Arm("g", "apppo:reward=portool"), 0, "smoke").task.kwargs
-  # The preset is the main job at its earlier budget and reward, which the runs used.
   assert (appo.prompts_per_step, appo.algo.num_minibatches, appo.num_steps) == (2, 2, 5)
-  assert "wrong_outcome" not in appo.task.kwargs
+  assert "wrong_outcome" not in appo.task.kwargs and appo.eval_base
+  assert ex.build_config(ex.Arm("a", "grpo:steps=9"), 0, "cpu").num_steps == 9
+  assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
+  monkeypatch.setenv(ex.GPU_MODEL_ENV, str(tmp_path))
+  with pytest.raises(ValueError, match=r"'grpo:steps=9' changes \['num_steps'\].*"
+                                       "arm's overrides"):
+    ex.build_config(ex.Arm("g", "grpo:steps=9"), 0, "gpu")
+  assert ex.build_config(ex.Arm("g", "grpo:steps=9", {"num_steps": 9}), 0, "gpu").num_steps == 9
+
+
+def test_every_committed_run_rebuilds_to_the_config_it_ran_with():
+  """Each committed run's arm (arm.json: config, overrides, seed, scale) builds the config
+  its config.json saved, but for the fields a resume may change and those added since."""
+  metas = sorted((ROOT / "results").glob("*/*/arm.json"))
+  assert metas
+  for path in metas:
+    meta = json.loads(path.read_text())
+    config = ex.build_config(ex.Arm(meta["arm"], meta["config"], meta["overrides"]),
+                             meta["seed"], meta["scale"])
+    assert running.config_changes(path.parent, config) == [], path.parent
 
 
 def test_scales_and_results_roots(monkeypatch):
@@ -329,7 +315,7 @@ def test_scales_and_results_roots(monkeypatch):
   monkeypatch.setenv(arms.RESULTS_ENV, "/tmp/elsewhere")
   assert ex.results_root("cpu") == pathlib.Path("/tmp/elsewhere")
   assert (arms.scale_args("smoke"), arms.scale_args("cpu"), arms.scale_overrides("cpu")) == (
-      "runlocal", "", {})
+      "runlocal", "preset=cpu", {})
 
 
 def test_provenance_marks_code_edits_dirty_but_not_results(tmp_path):

@@ -75,70 +75,19 @@ def checked_arms(scale: str, *groups: Sequence[Arm]) -> list[Arm]:
 def scale_args(scale: str) -> str:
   """The `:arg` a scale adds to every config: smoke is the configs' `runlocal` preset (each
   config shrinks its own method there: PORTool's t_max, APPO's N and M, TRACE's
-  predictor), which is what tests/train_test.py runs."""
+  predictor), which is what tests/train_test.py runs; cpu is their `preset=cpu`
+  (configs/common.py's `PRESETS`: SmolLM2-135M on the README main job's recipe, each
+  config keeping its method)."""
   _check_scale(scale)
-  return "runlocal" if scale == "smoke" else ""
+  return {"smoke": "runlocal", "cpu": "preset=cpu", "gpu": ""}[scale]
 
 
-# The cpu scale's tool-world preset: these fields of configs/apppo.py (the README's main job),
-# everything but its method, are set on every tool-world arm at the cpu scale. So every
-# paper's tool-world runs share one model setup, task mix, SFT warm start, eval and budget,
-# and with them one warm start per seed (docs/notebooks.md#the-cpu-scale). The PPO
-# mini-batches are part of the budget: a step's 2 prompts are updated one at a time, as
-# the main job does. In one mini-batch, without rematerialisation, a GRPO or PORTool update
-# of 2 prompts took over 20 GB and was killed on a 24 GB machine.
-CPU_TOOLWORLD_PRESET = "apppo"
-# ... at the main job's earlier budget and reward, where every committed cpu-scale run ran:
-# 5 RL steps of 2 prompts, PORTool's reward, branched per mini-batch. The main job itself
-# now trains 5 steps of 4 prompts on the format-gated reward and branches once a step
-# (docs/notebooks.md#the-cpu-scale).
-CPU_TOOLWORLD_ARG = "prompts=2,steps=5,reward=portool,timing=per_minibatch"
-# The part of that preset that other task families (BFCL, search QA) take at the cpu scale:
-# the training recipe (LoRA targets, SFT warm start, learning rate, sampling temperature,
-# budget), not the task's shape (their own prompts, token limits and eval sets) nor its
-# memory setting (they keep rematerialisation: their prompts are longer). With their
-# configs' own recipe (SFT lr 1e-4, RL lr 1e-5, temperature 1), 10 SFT steps left
-# SmolLM2-135M's BFCL eval where the base model had it, and every response sampled in 2 RL
-# steps scored 0, so no group had an advantage (docs/notebooks.md#the-cpu-scale).
-CPU_RECIPE_FIELDS = ("model.lora_targets", "rollout.temperature", "num_steps",
-                     "prompts_per_step", "algo.num_minibatches", "optim.lr", "sft")
-CPU_TOOLWORLD_FIELDS = CPU_RECIPE_FIELDS + (
-    "model.remat", "task.kwargs", "task.num_eval_tasks", "rollout.max_new_tokens",
-    "rollout.max_context_tokens")
-# What the main job changed after the committed cpu-scale runs, kept at the values those runs
-# used, for every tool-world arm (so all of them still share one warm start): the base eval
-# (the notebooks' tables show it) and the eval tasks of `task.seed` (the split their presets
-# were tuned on; issue 39 moves the notebooks to a test split).
-CPU_TOOLWORLD_PINNED = {"eval_base": True, "task.eval_seed": -1}
-
-
-def _get(config: Any, dotted: str) -> Any:
-  for part in dotted.split("."):
-    config = config[part]
-  return config.to_dict() if hasattr(config, "to_dict") else config
-
-
-def scale_overrides(scale: str, family: str | None = None) -> dict[str, Any]:
-  """Dotted config overrides of a scale for a config of task family `family`, applied after
-  the config (and its `scale_args`) and before the arm's own overrides.
-
-  smoke: none (runlocal is the tiny model, 2 steps, 2 prompts of 2 leaves, 2 eval tasks).
-  cpu: for the tool world, `CPU_TOOLWORLD_FIELDS` of configs/apppo.py (SmolLM2-135M with an
-    SFT warm start on difficulty-1 tasks, sampled at 0.6; docs/methods/appo.md#the-cpu-preset)
-    and `CPU_TOOLWORLD_PINNED`;
-    other families: its `CPU_RECIPE_FIELDS` (the same SFT, lr, temperature and budget on
-    their own tasks).
-  gpu: a larger HF model in bfloat16 (`gpu_model_folder`), more and larger steps, a larger
-    held-out set and an eval every 10 steps for the curves.
-  """
+def scale_overrides(scale: str) -> dict[str, Any]:
+  """Dotted config overrides of a scale, applied after the config (and its `scale_args`)
+  and before the arm's own overrides: at the gpu scale a larger HF model in bfloat16
+  (`gpu_model_folder`), more and larger steps, a larger held-out set and an eval every 10
+  steps for the curves; none at the others."""
   _check_scale(scale)
-  if scale == "cpu" and family is not None:
-    preset = importlib.import_module(f"configs.{CPU_TOOLWORLD_PRESET}").get_config(
-        CPU_TOOLWORLD_ARG)
-    if family != "toolworld":
-      return {field: _get(preset, field) for field in CPU_RECIPE_FIELDS}
-    return {**{field: _get(preset, field) for field in CPU_TOOLWORLD_FIELDS},
-            **CPU_TOOLWORLD_PINNED}
   if scale != "gpu":
     return {}
   return {"model.name": "hf", "model.hf_folder": gpu_model_folder(), "model.dtype": "bfloat16",
@@ -186,55 +135,53 @@ def results_root(scale: str) -> pathlib.Path:
   return repo_root() / "results" / ("gpu" if scale == "gpu" else "")
 
 
-def _split_config(spec: str) -> tuple[str, str]:
-  """"configs/apppo.py:init=4" -> ("apppo", "init=4")."""
-  path, _, arg = spec.partition(":")
-  return pathlib.Path(path).stem, arg
+def config_file(arm: Arm, scale: str) -> tuple[pathlib.Path, str]:
+  """The arm's config file under `<repo>/configs/` and its `:arg` at `scale` (the scale's
+  `scale_args`, then the arm's own): ("configs/apppo.py", "preset=cpu,init=4")."""
+  path, _, arg = arm.config.partition(":")
+  return (repo_root() / "configs" / f"{pathlib.Path(path).stem}.py",
+          ",".join(filter(None, [scale_args(scale), arg])))
 
 
-def _set(config: Any, dotted: str, value: Any) -> None:
-  """config.<dotted> = value, creating missing sections (estimator_kwargs and the like are
-  open dicts)."""
-  import ml_collections  # noqa: PLC0415
+def overrides(arm: Arm, seed: int, scale: str) -> dict[str, Any]:
+  """What the run sets on top of its config file: the scale's overrides, then the arm's,
+  then `seed` (launch/train.py's `--overrides`)."""
+  return {**scale_overrides(scale), **arm.overrides, "seed": int(seed)}
 
-  *parents, last = dotted.split(".")
-  node = config
-  for part in parents:
-    if part not in node:
-      node[part] = ml_collections.ConfigDict()
-    node = node[part]
-  node[last] = value
+
+def _get(config: Any, dotted: str) -> Any:
+  for part in dotted.split("."):
+    config = config[part]
+  return config.to_dict() if hasattr(config, "to_dict") else config
+
+
+def _configs() -> Any:
+  """The repository's `configs` package (not installed: imported from the checkout)."""
+  root = str(repo_root())
+  if root not in sys.path:
+    sys.path.insert(0, root)
+  return importlib.import_module("configs.common")
 
 
 def build_config(arm: Arm, seed: int, scale: str) -> Any:
-  """The arm's ConfigDict for `seed` at `scale`: config file (with the scale's and the arm's
-  `:arg`), then `scale_overrides`, then `arm.overrides`, then `seed`. An `:arg` that changes
-  a field the scale sets (configs/apppo.py's `:reward=gated` sets `task.kwargs`) raises,
-  unless the arm's overrides restore it: the scale would otherwise undo it unseen."""
-  root = str(repo_root())
-  if root not in sys.path:  # the configs import `configs.common`; they are not installed
-    sys.path.insert(0, root)
-  module, arg = _split_config(arm.config)
-  get_config = importlib.import_module(f"configs.{module}").get_config
-  # The preset's own file starts from the preset's `:arg` (the fields the scale sets), so
-  # `apppo:reward=gated` is a change from it although gated is apppo's default.
-  preset_arg = CPU_TOOLWORLD_ARG if module == CPU_TOOLWORLD_PRESET and scale == "cpu" else ""
-  base = [scale_args(scale), preset_arg]
-  config = get_config(",".join(filter(None, [*base, arg])))
-  scaled = scale_overrides(scale, config.task.family)
-  asked = config.copy_and_resolve_references() if arg and scaled else None
-  for key, value in {**scaled, **arm.overrides}.items():
-    _set(config, key, value)
-  if asked is not None:  # an `:arg` whose change the scale undid, silently: refused
-    plain = get_config(",".join(filter(None, base)))
-    lost = [key for key in scaled if _get(asked, key) != _get(plain, key)
-            and _get(config, key) != _get(asked, key)]
+  """The arm's ConfigDict for `seed` at `scale`, as launch/train.py builds it from
+  `config_file` and `overrides`. An `:arg` that changes a field the scale's overrides set
+  (the gpu scale's `num_steps` and `:steps=9`) raises, unless the arm's overrides set it
+  too: the scale would otherwise undo it unseen."""
+  common = _configs()
+  path, arg = config_file(arm, scale)
+  get_config = importlib.import_module(f"configs.{path.stem}").get_config
+  config = get_config(arg)
+  scaled = scale_overrides(scale)
+  if arm.config.partition(":")[2] and scaled:
+    plain = get_config(scale_args(scale))
+    lost = [key for key in scaled if key not in arm.overrides
+            and _get(config, key) != _get(plain, key)]
     if lost:
       raise ValueError(f"arm {arm.name!r}: {arm.config!r} changes {lost}, which the {scale} "
-                       "scale sets on every arm of its task family; put the change in the "
-                       "arm's overrides instead")
-  config.seed = int(seed)
-  return config
+                       "scale sets on every arm; put the change in the arm's overrides "
+                       "instead")
+  return common.override(config, overrides(arm, seed, scale))
 
 
 def check_arms(arms: Iterable[Arm], scale: str) -> None:
