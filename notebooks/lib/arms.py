@@ -35,12 +35,17 @@ class Arm:
     overrides: dotted config paths set after the config and the scale, e.g.
       {"algo.estimator_kwargs.gamma": 0.9}; a dict value replaces the whole section.
     seeds: `config.seed` of each run (the smoke scale runs the first only).
+    warm_start: an arm whose run does what comes before the first RL step (the base eval,
+      SFT and the SFT eval: `num_steps` 0) and whose checkpoint this arm's runs resume
+      from (`config.resume`), once per seed; the arms of a comparison that share one start
+      from one policy. Its own `seeds` are not used: it runs at this arm's.
   """
 
   name: str
   config: str
   overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   seeds: tuple[int, ...] = (0, 1, 2)
+  warm_start: Arm | None = None
 
   def __post_init__(self):
     if not _NAME.match(self.name) or RUN_DIR.match(self.name):
@@ -49,6 +54,13 @@ class Arm:
     if not self.seeds:
       raise ValueError(f"Arm {self.name!r} needs at least one seed")
     object.__setattr__(self, "seeds", tuple(int(s) for s in self.seeds))
+    if self.warm_start is not None:
+      if not isinstance(self.warm_start, Arm) or self.warm_start.warm_start is not None:
+        raise ValueError(f"Arm {self.name!r}: warm_start must be an Arm without a warm start "
+                         f"of its own, got {self.warm_start!r}")
+      if "resume" in self.overrides:
+        raise ValueError(f"Arm {self.name!r} sets resume and a warm_start: it resumes from "
+                         f"its warm start's checkpoint; drop one")
 
 
 def unique_arms(*groups: Sequence[Arm]) -> list[Arm]:
@@ -56,10 +68,15 @@ def unique_arms(*groups: Sequence[Arm]) -> list[Arm]:
   method's default is also each ablation's reference) runs once; two different arms under
   one name fail, since they would share run folders."""
   out: dict[str, Arm] = {}
+  warm: dict[str, Arm] = {}
   for arm in (a for group in groups for a in group):
-    if arm.name in out and out[arm.name] != arm:
-      raise ValueError(f"two different arms are named {arm.name!r}: {out[arm.name]} and {arm}")
+    for seen, one in ((out, arm), (warm, arm.warm_start)):
+      if one is not None and one.name in seen and seen[one.name] != one:
+        raise ValueError(f"two different arms are named {one.name!r}: {seen[one.name]} and "
+                         f"{one}")
     out.setdefault(arm.name, arm)
+    if arm.warm_start is not None:
+      warm.setdefault(arm.warm_start.name, arm.warm_start)
   return list(out.values())
 
 
@@ -185,13 +202,32 @@ def build_config(arm: Arm, seed: int, scale: str) -> Any:
 
 
 def check_arms(arms: Iterable[Arm], scale: str) -> None:
-  """Builds and validates every arm's config (no model, no compile): a typo in an override
-  fails here, before hours of runs, instead of when its arm's turn comes."""
+  """Builds and validates every arm's config and its warm start's (no model, no compile):
+  a typo in an override fails here, before hours of runs, instead of when its arm's turn
+  comes. A warm start runs no RL step (`num_steps` 0), and an eval or SFT to share; it
+  and the arms that resume from it train one model on one task family with one SFT (their
+  `model`, `task` and `sft` sections and their seed are equal)."""
   from tree_rl.config_types import RunConfig  # noqa: PLC0415
 
   for arm in arms:
-    try:
-      RunConfig.from_config_dict(build_config(arm, arm.seeds[0], scale))
-    except Exception as e:
-      raise ValueError(f"arm {arm.name!r} ({arm.config}, {dict(arm.overrides)}): {e}") from e
+    configs = []
+    for one in filter(None, (arm, arm.warm_start)):
+      try:
+        configs.append(build_config(one, arm.seeds[0], scale))
+        RunConfig.from_config_dict(configs[-1])
+      except Exception as e:
+        raise ValueError(f"arm {one.name!r} ({one.config}, {dict(one.overrides)}): {e}") from e
+    if arm.warm_start is not None:
+      differ = [key for key in ("model", "task", "sft", "seed")
+                if _get(configs[0], key) != _get(configs[1], key)]
+      if differ:
+        raise ValueError(f"arm {arm.name!r} and its warm start {arm.warm_start.name!r} differ "
+                         f"in {differ}; a warm start trains the arm's model on its tasks")
+    config = configs[-1]
+    if arm.warm_start is not None and (config.num_steps or not (config.sft.steps
+                                                                 or config.eval_base)):
+      raise ValueError(f"arm {arm.warm_start.name!r}, the warm start of {arm.name!r}, has "
+                       f"num_steps={config.num_steps}, sft.steps={config.sft.steps} and "
+                       f"eval_base={config.eval_base}; a warm start runs no RL step "
+                       "(num_steps 0) and the base eval or SFT")
 
