@@ -43,6 +43,11 @@ def parse_arg(arg: str | None, *,
   if "preset" in defaults and preset not in ("", *PRESETS):
     raise ValueError(f"config argument preset={preset!r} is not a preset; valid: "
                      f"{sorted(PRESETS)}")
+  for name, values in (preset_defaults or {}).items():
+    unknown = sorted(set(values) - set(defaults))
+    if name not in PRESETS or unknown:
+      raise ValueError(f"preset_defaults[{name!r}]: presets are {sorted(PRESETS)} and the "
+                       f"arguments {sorted(defaults)}; got {sorted(values)}")
   defaults = {**defaults, **(preset_defaults or {}).get(preset, {})}
   out = ml_collections.ConfigDict(defaults)
   for key, eq, value in items:

@@ -189,6 +189,13 @@ def test_an_unknown_preset_fails_naming_it(arg, message):
     importlib.import_module("configs.grpo").get_config(arg)
 
 
+def test_preset_defaults_name_known_presets_and_arguments():
+  assert common.parse_arg("preset=cpu", preset_defaults={"cpu": {"a": 2}}, a=1, preset="").a == 2
+  for bad in ({"gpu": {"a": 2}}, {"cpu": {"b": 2}}):
+    with pytest.raises(ValueError, match=r"preset_defaults\[.*presets are \['cpu'\]"):
+      common.parse_arg("", preset_defaults=bad, a=1, preset="")
+
+
 def test_override_sets_dotted_fields_and_names_a_bad_path():
   c = importlib.import_module("configs.trace").get_config()
   common.override(c, {"rollout.strategy_kwargs": {"budget": 6, "n_init": 2},

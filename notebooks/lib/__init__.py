@@ -1,12 +1,15 @@
 """The paper notebooks' harness: arms as data, runs, and their tables and plots.
 
 The notebooks in `notebooks/` (one per paper) are thin clients of this package: each lists
-its arms (a config file under `configs/` plus overrides), runs them at one of three scales,
-and rebuilds its tables and plots from what the runs left on disk, so committed results
-re-plot without re-running anything (docs/notebooks.md).
+its arms (a config file under `configs/` plus overrides, and the warm-start arm it resumes
+from), runs them at one of three scales, and rebuilds its tables and plots from what the
+runs left on disk, so committed results re-plot without re-running anything
+(docs/notebooks.md). A notebook puts `notebooks/` on `sys.path` and imports this package
+as `lib`.
 
 - `lib.arms`: `Arm`, the scales, the results root and each arm's config.
-- `lib.running`: `run_arm` / `run_arms`, which train each (arm, seed) in its own folder.
+- `lib.running`: `run_arm` / `run_arms`, which train each (arm, seed) in its own folder as
+  a `launch/train.py` process.
 - `lib.results`: `load_runs`, the tables over seeds and the plots.
 """
 

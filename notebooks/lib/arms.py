@@ -13,9 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 SCALES = ("smoke", "cpu", "gpu")
-SCALE_ENV = "TREE_RL_NOTEBOOK_SCALE"
 RESULTS_ENV = "TREE_RL_RESULTS_DIR"
-REPLOT_ENV = "TREE_RL_REPLOT_ONLY"  # "1": the notebooks train nothing, only re-plot
 # The gpu scale's model: a local Hugging Face folder (nothing is downloaded at run time).
 GPU_MODEL_ENV = "TREE_RL_GPU_MODEL"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.+=-]*(_[A-Za-z0-9.+=-]+)*$")
