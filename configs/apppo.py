@@ -10,9 +10,9 @@ previous mini-batch's update, as the paper does; default per_step: branch once b
 updates, as the authors' code does; docs/methods/appo.md#branch-timing) ; :reward=portool
 (PORTool's +1/0/-1 in place of the default, the shape of APPO's public reward script on
 the tool world: a wrong answer 0, a tool call that does not parse -1) ; :prompts=P (prompts
-a step, one PPO mini-batch each; default 4) ; :steps=N ; :task=math ; :runlocal. The
-notebooks' cpu preset, on which the papers' comparisons ran, is
-:prompts=2,steps=5,reward=portool,timing=per_minibatch.
+a step, one PPO mini-batch each; default 4) ; :steps=N ; :task=math ; :runlocal ;
+:preset=cpu (the setup of the papers' comparisons in notebooks/, configs/common.py's
+`PRESETS`: here it also makes :prompts=2,reward=portool,timing=per_minibatch the defaults).
 Hardware: a 2-core CPU, float32. The preset is sized for 20 minutes of wall time for the
 literal README command in a fresh virtualenv on 2 cores: 10 SFT steps, 5 RL steps of 4
 prompts branched once a step, the SFT and RL evals on 32 test tasks (task.eval_seed=1:
@@ -35,8 +35,10 @@ REWARDS = {"portool": {}, "gated": dict(wrong_outcome=0.0, malformed_outcome=-1.
 
 
 def get_config(arg=None):
+  # :preset=cpu is this job at 2 prompts a step on PORTool's reward, branched per mini-batch.
   arg = common.parse_arg(arg, **common.COMMON_ARGS, init=2, branch=1,
-                         timing="per_step", reward="gated", prompts=4)
+                         timing="per_step", reward="gated", prompts=4, preset_defaults={
+                             "cpu": dict(prompts=2, reward="portool", timing="per_minibatch")})
   if arg.reward not in REWARDS:
     raise ValueError(f":reward={arg.reward!r}; valid: {sorted(REWARDS)}")
   c = common.base_config()
@@ -59,7 +61,7 @@ def get_config(arg=None):
   # held-out tasks; LoRA on attention and MLP; 40 oracle trajectories of SFT at a
   # LoRA-sized learning rate; 5 RL steps of 4 prompts with N = 2, B = 1 (16 leaves a
   # step) on the format-gated reward. At 2 prompts a step with PORTool's reward (the
-  # notebooks' cpu preset, :prompts=2,steps=5,reward=portool,timing=per_minibatch) RL did
+  # notebooks' :preset=cpu) RL did
   # not beat SFT in 5-15 steps (docs/methods/appo.md#the-cpu-preset). Longer RL: :steps=N.
   c.task.kwargs = dict(tools_per_task=3, difficulties=(1,), max_turns=3, **REWARDS[arg.reward])
   c.task.num_eval_tasks = 32
@@ -88,7 +90,7 @@ def get_config(arg=None):
   c.sft.steps = 10
   c.sft.tasks_per_step = 4
   c.sft.lr = 2e-3
-  c = common.apply_common_args(c, arg)
+  c = common.apply_common_args(c, arg, own=("prompts_per_step", "task.kwargs"))
   if arg.runlocal:  # N = 2, B = 1: 4 leaves per prompt
     c.algo.estimator_kwargs = dict(n_init=2, budget=4)
     c.rollout.samples_per_task = 2

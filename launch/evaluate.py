@@ -3,8 +3,12 @@
   python launch/evaluate.py --model=/tmp/apppo            # a training run (its checkpoint)
   python launch/evaluate.py --model=/tmp/apppo_hf --task=toolworld --num_tasks=32
 
+  python launch/evaluate.py --model=/tmp/apppo --samples=5  # pass@1..5, sampled
+
 `--model` is a run directory (config.json + checkpoints) or an HF folder. Decoding is
-greedy with the embedded JAX sampler. Prints the metric table and writes JSON to --out.
+greedy with the embedded JAX sampler; with `--samples=K` (a run directory) each held-out
+task gets K episodes sampled as the run's rollouts are (its temperature, top-p, top-k and
+seed), so pass@1..K are defined. Prints the metric table and writes JSON to --out.
 """
 
 import pathlib
@@ -20,8 +24,36 @@ _NUM = flags.DEFINE_integer("num_tasks", None, "Held-out tasks (default: the run
 _SEED = flags.DEFINE_integer("seed", None, "Task seed (default: the run's, else 0).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens per step (default: the run's).")
 _TURNS = flags.DEFINE_integer("max_turns", None, "Steps per episode (default: the run's).")
+_SAMPLES = flags.DEFINE_integer("samples", 0, "Episodes per task sampled at the run's rollout "
+                                "settings, for pass@1..N (a run directory; its own tasks).")
 _OUT = flags.DEFINE_string("out", "", "Write the report JSON here.")
 flags.mark_flags_as_required(["model"])
+
+
+def sampled_report(workdir: str, num_samples: int):
+  """The run's latest checkpoint on its held-out tasks, `num_samples` episodes per task
+  sampled as in training (the rollout's temperature, top-p, top-k; the run's seed), with
+  pass@1..num_samples."""
+  from tree_rl.checkpoint import restore_policy
+  from tree_rl.envs import make_family
+  from tree_rl.evaluate import evaluate
+  from tree_rl.rollout.chat import ChatFormat
+  from tree_rl.rollout.engine import SamplingParams
+  from tree_rl.rollout.jax_sampler import JaxSampler
+  from tree_rl.rollout.policy import engine_policy
+
+  policy, tokenizer, cfg = restore_policy(workdir)
+  family = make_family(cfg.task.family, **cfg.task.kwargs)
+  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
+  chat = ChatFormat.from_tokenizer(tokenizer)
+  r = cfg.rollout
+  engine = JaxSampler(policy, rows=r.cache_rows, slots=r.max_context_tokens,
+                      tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
+  params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens)
+  return evaluate(family, tasks, engine_policy(engine, chat, params),
+                  num_samples=num_samples, pass_k=tuple(range(1, num_samples + 1)),
+                  max_turns=r.max_turns or None, encode=chat.encode)
 
 
 def main(argv):
@@ -30,9 +62,22 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
   from tree_rl.evaluate import evaluate_policy_folder
 
-  report = evaluate_policy_folder(_MODEL.value, task=_TASK.value, num_tasks=_NUM.value,
-                                  seed=_SEED.value, max_new_tokens=_MAX_NEW.value,
-                                  max_turns=_TURNS.value)
+  if _SAMPLES.value < 0:
+    raise app.UsageError(f"--samples={_SAMPLES.value} must be >= 0")
+  if _SAMPLES.value:
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")  # as in training
+    given = [f"--{f.name}" for f in (_TASK, _NUM, _SEED, _MAX_NEW, _TURNS)
+             if f.value is not None]
+    if given:
+      raise app.UsageError(f"--samples evaluates the run on its own tasks and settings; "
+                           f"drop {', '.join(given)}")
+    report = sampled_report(_MODEL.value, _SAMPLES.value)
+  else:
+    report = evaluate_policy_folder(_MODEL.value, task=_TASK.value, num_tasks=_NUM.value,
+                                    seed=_SEED.value, max_new_tokens=_MAX_NEW.value,
+                                    max_turns=_TURNS.value)
   print(report.table())
   if _OUT.value:
     report.to_json(_OUT.value)

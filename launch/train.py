@@ -1,7 +1,8 @@
 """Main training job: `python launch/train.py --config=configs/apppo.py --workdir=/tmp/run`.
 
 Ablations go after the config file (`--config=configs/apppo.py:task=math,runlocal`) or as
-overrides (`--config.optim.lr=3e-6`). All logic lives in `tree_rl.train.train_and_evaluate`,
+overrides (`--config.optim.lr=3e-6`; a new key or a whole section:
+`--overrides='{"rollout.strategy_kwargs": {"budget": 6}, "algo.estimator_kwargs.gamma": 0.9}'`). All logic lives in `tree_rl.train.train_and_evaluate`,
 which the tests and notebooks call too; this file only sets up the process (JAX platform,
 JAX's share of GPU memory and the multi-process group before the backend starts, matmul
 precision).
@@ -13,6 +14,7 @@ Several hosts: start this same command on every host with the process group in
       python launch/train.py --config=configs/grpo.py --config.mesh.fsdp=-1 --workdir=/shared/run
 """
 
+import json
 import os
 import pathlib
 import sys
@@ -27,6 +29,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, evals); "
                                "default: ./runs/<config name>.")
+_OVERRIDES = flags.DEFINE_string(
+    "overrides", "", "A JSON object {dotted config path: value} set after --config and its "
+    "--config.* flags (configs/common.py override): an object replaces the whole section, a "
+    "list is set as a tuple, and a path's last part may be a new key of its section.")
 _PLATFORM = flags.DEFINE_string("jax_platform", "", "Force a JAX platform (cpu, gpu, tpu).")
 _ALLOW_CHANGE = flags.DEFINE_bool("allow_config_change", False,
                                   "Resume the workdir's run even though the config differs "
@@ -49,12 +55,27 @@ def set_device_env(config) -> None:
   distributed.initialize(cfg.distributed)
 
 
+def apply_overrides(config, text: str) -> None:
+  """`--overrides`' JSON object set on `config` (configs/common.py override)."""
+  from configs import common
+
+  try:
+    values = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise app.UsageError(f"--overrides is not JSON ({e}): {text!r}") from e
+  if not isinstance(values, dict):
+    raise app.UsageError(f"--overrides must be a JSON object {{path: value}}, got {text!r}")
+  common.override(config, values)
+
+
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:  # Orbax logs every file it renames at INFO
     logging.set_verbosity(logging.WARNING)
   if _PLATFORM.value:
     os.environ["JAX_PLATFORMS"] = _PLATFORM.value
+  if _OVERRIDES.value:
+    apply_overrides(_CONFIG.value, _OVERRIDES.value)
   set_device_env(_CONFIG.value)
   import jax
 

@@ -13,8 +13,8 @@
 # overrides: the tool world with 3 tools per task, an SFT warm start, 5 RL steps of 2
 # prompts in 2 PPO mini-batches, PORTool's reward (the main job's budget and reward when
 # these arms ran; it now trains the `appo_gated_p4_steps10` arm's). So the baselines share
-# its preset and change only the method. Runs go through
-# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# its preset and change only the method. Each run is a
+# `launch/train.py` process; tables and plots are rebuilt from the files under
 # `results/appo/<arm>_s<seed>/` (`docs/notebooks.md`).
 
 # %%
@@ -57,7 +57,13 @@ SEEDS = (0, 1, 2)
 PASS_K = 5
 
 # %%
-from tree_rl import experiments as ex
+# The harness, notebooks/lib, sits beside this notebook: found from the repository root (a
+# script, Colab) or from notebooks/ (Jupyter).
+for folder in ("notebooks", "."):
+  if os.path.isfile(os.path.join(folder, "lib", "__init__.py")):
+    sys.path.insert(0, os.path.abspath(folder))
+    break
+import lib as ex  # noqa: E402
 
 PAPER = "appo"
 ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
@@ -76,29 +82,41 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # reward), to see whether RL moves past SFT given more steps or more signal.
 
 # %%
-APPO = ex.Arm("appo", "apppo", seeds=SEEDS)
+# The warm starts the arms resume from, once per seed: the base eval, SFT and the SFT eval
+# (no RL step), so the arms that share one start their RL from one policy. APPO's reward
+# shape (`GATED`: a wrong but well-formed answer 0, a tool call that does not parse -1;
+# configs/apppo.py's :reward=gated) changes the evals' rewards, so its arms have their own.
+# model.remat: an update of 16 leaves a prompt would not fit this machine's 23 GiB without
+# rematerialisation (the N = 4 probe's 8 leaves peaked at 22.9 GB, below); the (N, B) arms
+# set it, and their warm start too.
+GATED = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
+SFT = ex.Arm("sft", "apppo", {"num_steps": 0})
+SFT_GATED = ex.Arm("sft_gated", "apppo", {"num_steps": 0, **GATED})
+SFT_REMAT = ex.Arm("sft_remat", "apppo", {"num_steps": 0, "model.remat": True})
+
+
+def arm(name: str, overrides: dict | None = None, config: str = "apppo",
+        warm_start: ex.Arm = SFT) -> ex.Arm:
+  return ex.Arm(name, config, overrides or {}, seeds=SEEDS, warm_start=warm_start)
 
 
 def baseline(name: str, estimator: str, strategy: str, group: int) -> ex.Arm:
   """A method on APPO's preset: its estimator and branching in place of APPO's."""
-  return ex.Arm(name, "apppo", {"algo.estimator": estimator, "algo.estimator_kwargs": {},
-                                "rollout.strategy": strategy, "rollout.strategy_kwargs": {},
-                                "rollout.samples_per_task": group}, seeds=SEEDS)
+  return arm(name, {"algo.estimator": estimator, "algo.estimator_kwargs": {},
+                    "rollout.strategy": strategy, "rollout.strategy_kwargs": {},
+                    "rollout.samples_per_task": group})
 
 
 def appo(name: str, **estimator_kwargs) -> ex.Arm:
-  return ex.Arm(name, "apppo", {f"algo.estimator_kwargs.{k}": v
-                                for k, v in estimator_kwargs.items()}, seeds=SEEDS)
+  return arm(name, {f"algo.estimator_kwargs.{k}": v for k, v in estimator_kwargs.items()})
 
 
+APPO = arm("appo")
 MAIN = [APPO, baseline("grpo", "grpo", "flat", 4), baseline("arpo", "arpo", "arpo", 2)]
-# model.remat: an update of 16 leaves a prompt would not fit this machine's 23 GiB without
-# rematerialisation (the N = 4 probe's 8 leaves peaked at 22.9 GB, below). It changes memory,
-# not the computation, but it is part of the warm start's key: these arms do their own SFT.
-N_B = [ex.Arm(f"n{n}_b{b}", "apppo", {"algo.estimator_kwargs.n_init": n,
-                                      "algo.estimator_kwargs.budget": (b + 1) * n,
-                                      "rollout.samples_per_task": n, "model.remat": True},
-              seeds=SEEDS)
+N_B = [arm(f"n{n}_b{b}", {"algo.estimator_kwargs.n_init": n,
+                          "algo.estimator_kwargs.budget": (b + 1) * n,
+                          "rollout.samples_per_task": n, "model.remat": True},
+           warm_start=SFT_REMAT)
        for n, b in ((8, 1), (4, 3), (2, 7))]
 ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", dual_group=False),
              appo("no_a_fut", b=0.0), appo("bs_future", bs_mode="future")]
@@ -109,23 +127,19 @@ ABLATIONS = [APPO, appo("bs_entropy", bs_mode="entropy"), appo("no_dual_group", 
 # reward spread. Its seed 1 peaked at 22.9 GB in one step and was killed for memory on a
 # 23 GiB machine (RESULTS.md).
 TEN = {"num_steps": 10, "eval_every_steps": 5}
-# Then the reward: APPO's public reward shape in place of PORTool's (a wrong but well-formed
-# answer 0, a tool call that does not parse -1; configs/apppo.py's :reward=gated, which at
-# this scale must go in the overrides: the preset sets task.kwargs), at the preset's learning
-# rate and at 3x it. Then 4 prompts a step in 4 mini-batches of one (twice the samples and
-# the updates of a step), with PORTool's reward and with APPO's: the last is the README main
-# job's default since.
-GATED = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
+# Then the reward: APPO's reward shape (`GATED`) in place of PORTool's, at the preset's
+# learning rate and at 3x it. Then 4 prompts a step in 4 mini-batches of one (twice the
+# samples and the updates of a step), with PORTool's reward and with APPO's: the last is the
+# README main job's default since.
 P4 = {"prompts_per_step": 4, "algo.num_minibatches": 4}
-PROBES = [ex.Arm("appo_lr1e-3", "apppo", {**TEN, "optim.lr": 1e-3}, seeds=SEEDS),
-          ex.Arm("appo_n4_steps10", "apppo:init=4", TEN, seeds=SEEDS),
-          ex.Arm("appo_gated_steps10", "apppo", {**TEN, **GATED}, seeds=SEEDS),
-          ex.Arm("appo_gated_lr3e-4_steps10", "apppo", {**TEN, **GATED, "optim.lr": 3e-4},
-                 seeds=SEEDS),
-          ex.Arm("appo_p4_steps10", "apppo", {**TEN, **P4}, seeds=SEEDS),
-          ex.Arm("appo_gated_p4_steps10", "apppo", {**TEN, **GATED, **P4}, seeds=SEEDS)]
-BUDGET = [APPO, ex.Arm("appo_steps15", "apppo", {"num_steps": 15, "eval_every_steps": 5},
-                       seeds=SEEDS), *PROBES]
+PROBES = [arm("appo_lr1e-3", {**TEN, "optim.lr": 1e-3}),
+          arm("appo_n4_steps10", TEN, config="apppo:init=4"),
+          arm("appo_gated_steps10", {**TEN, **GATED}, warm_start=SFT_GATED),
+          arm("appo_gated_lr3e-4_steps10", {**TEN, **GATED, "optim.lr": 3e-4},
+              warm_start=SFT_GATED),
+          arm("appo_p4_steps10", {**TEN, **P4}),
+          arm("appo_gated_p4_steps10", {**TEN, **GATED, **P4}, warm_start=SFT_GATED)]
+BUDGET = [APPO, arm("appo_steps15", {"num_steps": 15, "eval_every_steps": 5}), *PROBES]
 ARMS = ex.checked_arms(SCALE, MAIN, N_B, ABLATIONS, BUDGET)  # all validated first
 
 # %% [markdown]

@@ -11,8 +11,8 @@
 # All arms run on BFCL-format function calling (`task=bfcl`, the bundled BFCL files) with
 # groups of 4 and 2 PPO mini-batches a step (AWPO's config needs two for its clip to act;
 # the baselines get the same). R_reason comes from the offline rubric judge
-# (`judge.kind="rubric"`), a stand-in for the paper's LLM judge. Runs go through
-# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# (`judge.kind="rubric"`), a stand-in for the paper's LLM judge. Each run is a
+# `launch/train.py` process; tables and plots are rebuilt from the files under
 # `results/awpo/<arm>_s<seed>/` (`docs/notebooks.md`).
 
 # %%
@@ -53,7 +53,13 @@ REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train no
 SEEDS = (0, 1, 2)
 
 # %%
-from tree_rl import experiments as ex
+# The harness, notebooks/lib, sits beside this notebook: found from the repository root (a
+# script, Colab) or from notebooks/ (Jupyter).
+for folder in ("notebooks", "."):
+  if os.path.isfile(os.path.join(folder, "lib", "__init__.py")):
+    sys.path.insert(0, os.path.abspath(folder))
+    break
+import lib as ex  # noqa: E402
 
 PAPER = "awpo"
 ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
@@ -69,25 +75,32 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # `fixed_clip` keeps the radius at clip_max (`configs/awpo.py:fixed_clip`).
 
 # %%
+# The warm start every arm resumes from, once per seed: the base eval, SFT and the SFT eval
+# (no RL step), so all arms start their RL from one policy.
+SFT = ex.Arm("sft", "awpo", {"num_steps": 0})
+
+
+def arm(name: str, config: str, overrides: dict | None = None) -> ex.Arm:
+  return ex.Arm(name, config, overrides or {}, seeds=SEEDS, warm_start=SFT)
+
+
 SAME_BATCH = {"algo.num_minibatches": 2}  # AWPO's two updates per rollout batch
 MAIN = [
-    ex.Arm("awpo", "awpo", seeds=SEEDS),
-    ex.Arm("grpo", "grpo:task=bfcl", SAME_BATCH, seeds=SEEDS),
-    ex.Arm("dapo", "dapo:task=bfcl", SAME_BATCH, seeds=SEEDS),
-    ex.Arm("dr_grpo", "grpo:task=bfcl", {**SAME_BATCH, "algo.estimator": "dr_grpo",
-                                         "algo.loss.aggregation": "seq_mean_token_sum"},
-           seeds=SEEDS),
-    ex.Arm("grpo_mixed", "grpo:task=bfcl", {
+    arm("awpo", "awpo"),
+    arm("grpo", "grpo:task=bfcl", SAME_BATCH),
+    arm("dapo", "dapo:task=bfcl", SAME_BATCH),
+    arm("dr_grpo", "grpo:task=bfcl", {**SAME_BATCH, "algo.estimator": "dr_grpo",
+                                      "algo.loss.aggregation": "seq_mean_token_sum"}),
+    arm("grpo_mixed", "grpo:task=bfcl", {
         **SAME_BATCH, "judge.kind": "rubric",
-        "algo.estimator_kwargs.reward_channels": ("outcome", "reasoning")}, seeds=SEEDS),
+        "algo.estimator_kwargs.reward_channels": ("outcome", "reasoning")}),
 ]
 AWPO = MAIN[0]
 ABLATIONS = [
     AWPO,
-    ex.Arm("no_gate", "awpo", {"algo.estimator_kwargs.variance_gating": False}, seeds=SEEDS),
-    ex.Arm("no_difficulty", "awpo", {"algo.estimator_kwargs.difficulty_weighting": False},
-           seeds=SEEDS),
-    ex.Arm("fixed_clip", "awpo:fixed_clip", seeds=SEEDS),
+    arm("no_gate", "awpo", {"algo.estimator_kwargs.variance_gating": False}),
+    arm("no_difficulty", "awpo", {"algo.estimator_kwargs.difficulty_weighting": False}),
+    arm("fixed_clip", "awpo:fixed_clip"),
 ]
 ARMS = ex.checked_arms(SCALE, MAIN, ABLATIONS)  # all validated first
 

@@ -8,8 +8,8 @@
 # ablates γ (§4.3.1, Fig. 3), the advantage weighting (§4.3.2) and the step-reward rule G.
 # tree_rl's readings of the paper: `docs/methods/portool.md`.
 #
-# Every arm below is a config under `configs/` plus overrides, trained and evaluated by
-# `tree_rl.train.train_and_evaluate`. The tables and plots are rebuilt from the files the
+# Every arm below is a config under `configs/` plus overrides, trained and evaluated by a
+# `launch/train.py` process. The tables and plots are rebuilt from the files the
 # runs leave under `results/portool/<arm>_s<seed>/`, so committed results re-plot without
 # re-running (`docs/notebooks.md`).
 
@@ -49,7 +49,13 @@ REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train no
 SEEDS = (0, 1, 2)
 
 # %%
-from tree_rl import experiments as ex
+# The harness, notebooks/lib, sits beside this notebook: found from the repository root (a
+# script, Colab) or from notebooks/ (Jupyter).
+for folder in ("notebooks", "."):
+  if os.path.isfile(os.path.join(folder, "lib", "__init__.py")):
+    sys.path.insert(0, os.path.abspath(folder))
+    break
+import lib as ex  # noqa: E402
 
 PAPER = "portool"
 ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
@@ -67,22 +73,31 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 # the adaptive G; each ablation varies one of them, with `portool` as its reference row.
 
 # %%
+# The warm start every arm resumes from, once per seed: the base eval, SFT and the SFT eval
+# (no RL step), so all arms start their RL from one policy.
+SFT = ex.Arm("sft", "portool", {"num_steps": 0})
+
+
+def arm(name: str, config: str, overrides: dict | None = None) -> ex.Arm:
+  return ex.Arm(name, config, overrides or {}, seeds=SEEDS, warm_start=SFT)
+
+
 MAIN = [
-    ex.Arm("portool", "portool", seeds=SEEDS),
-    ex.Arm("grpo", "grpo", seeds=SEEDS),
-    ex.Arm("grpo_fm", "grpo", {"algo.estimator_kwargs.format_reward": True}, seeds=SEEDS),
-    ex.Arm("dapo", "dapo", seeds=SEEDS),
-    ex.Arm("arpo", "arpo:group=2", seeds=SEEDS),
+    arm("portool", "portool"),
+    arm("grpo", "grpo"),
+    arm("grpo_fm", "grpo", {"algo.estimator_kwargs.format_reward": True}),
+    arm("dapo", "dapo"),
+    arm("arpo", "arpo:group=2"),
 ]
 PORTOOL = MAIN[0]
-GAMMA = [ex.Arm(f"gamma_{g:g}", "portool", {"algo.estimator_kwargs.gamma": g}, seeds=SEEDS)
+GAMMA = [arm(f"gamma_{g:g}", "portool", {"algo.estimator_kwargs.gamma": g})
          for g in (0.0, 0.9)] + [PORTOOL] + [
-    ex.Arm("gamma_1", "portool", {"algo.estimator_kwargs.gamma": 1.0}, seeds=SEEDS)]
+    arm("gamma_1", "portool", {"algo.estimator_kwargs.gamma": 1.0})]
 WEIGHTING = [PORTOOL] + [
-    ex.Arm(f"omega_{mode}", "portool", {"algo.estimator_kwargs.omega_mode": mode}, seeds=SEEDS)
+    arm(f"omega_{mode}", "portool", {"algo.estimator_kwargs.omega_mode": mode})
     for mode in ("traj_only", "fork_only", "no_scale")]
 G_RULE = [PORTOOL] + [
-    ex.Arm(f"g_{rule}", "portool", {"algo.estimator_kwargs.g_rule": rule}, seeds=SEEDS)
+    arm(f"g_{rule}", "portool", {"algo.estimator_kwargs.g_rule": rule})
     for rule in ("max", "avg", "mix2")]
 ARMS = ex.checked_arms(SCALE, MAIN, GAMMA, WEIGHTING, G_RULE)  # all validated first
 

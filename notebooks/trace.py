@@ -8,8 +8,8 @@
 # random allocation (TreePO) at equal sampling cost, and ablates the two stages.
 # tree_rl's readings of the paper: `docs/methods/trace.md`.
 #
-# All arms run on multi-hop search QA (`task=search_qa`). Runs go through
-# `tree_rl.train.train_and_evaluate`; tables and plots are rebuilt from the files under
+# All arms run on multi-hop search QA (`task=search_qa`). Each run is a
+# `launch/train.py` process; tables and plots are rebuilt from the files under
 # `results/trace/<arm>_s<seed>/` (`docs/notebooks.md`).
 
 # %%
@@ -49,7 +49,13 @@ REPLOT_ONLY = os.environ.get("TREE_RL_REPLOT_ONLY", "") == "1"  # True: train no
 SEEDS = (0, 1, 2)
 
 # %%
-from tree_rl import experiments as ex
+# The harness, notebooks/lib, sits beside this notebook: found from the repository root (a
+# script, Colab) or from notebooks/ (Jupyter).
+for folder in ("notebooks", "."):
+  if os.path.isfile(os.path.join(folder, "lib", "__init__.py")):
+    sys.path.insert(0, os.path.abspath(folder))
+    break
+import lib as ex  # noqa: E402
 
 PAPER = "trace"
 ROOT = ex.results_root(SCALE)  # $TREE_RL_RESULTS_DIR, else results/ (smoke: a temp folder)
@@ -78,18 +84,23 @@ print(f"scale {SCALE}: results in {ROOT / PAPER}")
 
 # %%
 LEAVES = 6
+# GRPO and random allocation resume from one warm start per seed (the base eval, SFT and
+# the SFT eval, no RL step). The `trace`-strategy arms do their own: the predictor's state
+# is part of the checkpoint, and each arm's predictor settings are its own.
+SFT = ex.Arm("sft", "grpo:task=search_qa", {"num_steps": 0})
 MAIN = [
     ex.Arm("trace", "trace", seeds=SEEDS),
-    ex.Arm("grpo", "grpo:task=search_qa", {"rollout.samples_per_task": LEAVES}, seeds=SEEDS),
+    ex.Arm("grpo", "grpo:task=search_qa", {"rollout.samples_per_task": LEAVES}, seeds=SEEDS,
+           warm_start=SFT),
     ex.Arm("random", "trace", {"rollout.strategy": "random",
                                "rollout.strategy_kwargs": {"budget": LEAVES, "n_init": 2}},
-           seeds=SEEDS),
+           seeds=SEEDS, warm_start=SFT),
 ]
 TRACE = MAIN[0]
 EQUAL_COST = [  # 4 units a prompt each, counting a continuation as 0.5 of a rollout
     TRACE,
     ex.Arm("grpo_cost4", "grpo:task=search_qa", {"rollout.samples_per_task": 4},
-           seeds=SEEDS),
+           seeds=SEEDS, warm_start=SFT),
     MAIN[2],
 ]
 STAGES = [

@@ -124,10 +124,89 @@ def test_one_quantity_set_twice_differently_fails_and_alike_passes():
 
 @pytest.mark.parametrize("name", ["apppo", "arpo", "awpo", "dapo", "grpo", "portool", "trace",
                                   "tree_grpo"])
-@pytest.mark.parametrize("arg", [None, "runlocal"])
+@pytest.mark.parametrize("arg", [None, "runlocal", "preset=cpu"])
 def test_every_shipped_config_builds(name, arg):
   module = importlib.import_module(f"configs.{name}")
   RunConfig.from_config_dict(module.get_config(arg))
+
+
+TOOLWORLD_CONFIGS = ["apppo", "arpo", "dapo", "grpo", "portool", "tree_grpo"]
+
+
+def _get(config, dotted):
+  for part in dotted.split("."):
+    config = config[part]
+  return config.to_dict() if hasattr(config, "to_dict") else config
+
+
+def test_the_cpu_preset_gives_every_config_the_main_jobs_recipe_and_keeps_its_method():
+  """`:preset=cpu`: tool-world configs take the README main job's whole setup at 2 prompts
+  a step on PORTool's reward; other families its recipe alone; each keeps its method."""
+  main = importlib.import_module("configs.apppo").get_config(
+      "prompts=2,steps=5,reward=portool,timing=per_minibatch")
+  toolworld, other = common.PRESETS["cpu"]["toolworld"], common.PRESETS["cpu"]["other"]
+  assert set(other) < set(toolworld)
+  for name in TOOLWORLD_CONFIGS + ["awpo", "trace"]:
+    own = importlib.import_module(f"configs.{name}").get_config()
+    config = importlib.import_module(f"configs.{name}").get_config("preset=cpu")
+    fields = toolworld if config.task.family == "toolworld" else other
+    for field, value in fields.items():
+      expected = value if field in ("eval_base", "task.eval_seed") else _get(main, field)
+      assert _get(config, field) == expected, (name, field)
+    for field in ("algo.estimator", "algo.estimator_kwargs", "algo.loss", "rollout.strategy",
+                  "rollout.samples_per_task", "task.family"):
+      assert _get(config, field) == _get(own, field) or name == "apppo", (name, field)
+    if config.task.family != "toolworld":  # its own task shape and memory setting
+      assert (config.task.kwargs.to_dict(), config.model.remat) == ({}, own.model.remat)
+  assert common.PRESETS["cpu"]["toolworld"]["eval_base"] and not main.eval_base
+  # APPO's own arguments default to the preset's budget, reward and timing there.
+  appo = importlib.import_module("configs.apppo").get_config("preset=cpu")
+  assert appo.rollout.strategy_kwargs.branch_timing == "per_minibatch"
+  assert (appo.prompts_per_step, appo.algo.num_minibatches) == (2, 2)
+  assert "wrong_outcome" not in appo.task.kwargs
+
+
+def test_a_configs_own_arguments_win_over_the_preset():
+  get = lambda name, arg: importlib.import_module(f"configs.{name}").get_config(arg)
+  assert get("grpo", "preset=cpu,steps=9").num_steps == 9
+  assert get("grpo", "preset=cpu,group=8").rollout.samples_per_task == 8
+  appo = get("apppo", "preset=cpu,prompts=4,reward=gated,timing=per_step")
+  assert (appo.prompts_per_step, appo.algo.num_minibatches) == (4, 4)
+  assert appo.task.kwargs.to_dict() == dict(tools_per_task=3, difficulties=(1,), max_turns=3,
+                                            wrong_outcome=0.0, malformed_outcome=-1.0)
+  assert appo.rollout.strategy_kwargs.branch_timing == "per_step"
+  small = get("grpo", "preset=cpu,runlocal")  # runlocal shrinks the preset too
+  assert (small.model.name, small.num_steps, small.sft.steps) == ("tiny", 2, 1)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("preset=gpu", r"preset='gpu' is not a preset; valid: \['cpu'\]"),
+    ("preset=CPU", r"preset='CPU' is not a preset"),
+    ("presets=cpu", r"'presets' is not known"),
+])
+def test_an_unknown_preset_fails_naming_it(arg, message):
+  with pytest.raises(ValueError, match=message):
+    importlib.import_module("configs.grpo").get_config(arg)
+
+
+def test_preset_defaults_name_known_presets_and_arguments():
+  assert common.parse_arg("preset=cpu", preset_defaults={"cpu": {"a": 2}}, a=1, preset="").a == 2
+  for bad in ({"gpu": {"a": 2}}, {"cpu": {"b": 2}}):
+    with pytest.raises(ValueError, match=r"preset_defaults\[.*presets are \['cpu'\]"):
+      common.parse_arg("", preset_defaults=bad, a=1, preset="")
+
+
+def test_override_sets_dotted_fields_and_names_a_bad_path():
+  c = importlib.import_module("configs.trace").get_config()
+  common.override(c, {"rollout.strategy_kwargs": {"budget": 6, "n_init": 2},
+                      "algo.estimator_kwargs.gamma": 0.9, "model.lora_targets": ["q_proj"],
+                      "seed": 3})
+  assert c.rollout.strategy_kwargs.to_dict() == {"budget": 6, "n_init": 2}
+  assert (c.algo.estimator_kwargs.gamma, c.model.lora_targets, c.seed) == (0.9, ("q_proj",), 3)
+  for bad, message in [({"optim.lrr.x": 1}, "'optim.lrr' is not a section"),
+                       ({"seed.x": 1}, "'seed' is not a section"), ({"a..b": 1}, "dotted")]:
+    with pytest.raises(ValueError, match=message):
+      common.override(c, bad)
 
 
 def test_every_committed_run_config_still_builds():

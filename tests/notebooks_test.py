@@ -1,8 +1,9 @@
 """The paper notebooks (notebooks/*.py and their generated .ipynb) and the library they are
-thin clients of (tree_rl.experiments): the .ipynb agree with their sources, every notebook
+thin clients of (notebooks/lib): the .ipynb agree with their sources, every notebook
 runs end to end at the smoke scale into a temporary results root, and the runs' records,
 tables, plots and skip-when-finished logic on hand-made results."""
 
+import importlib
 import json
 import math
 import os
@@ -13,12 +14,13 @@ import sys
 
 import pytest
 
-from tree_rl import experiments as ex
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 sys.path.insert(0, str(NOTEBOOKS))
 import build  # noqa: E402
+import lib as ex  # noqa: E402
+from configs import common  # noqa: E402
+from lib import arms, running  # noqa: E402
 
 PAPERS = ("appo", "awpo", "portool", "trace")
 # The arms each notebook runs at the smoke scale: its main comparison's first two.
@@ -61,7 +63,8 @@ def test_notebook_is_nbformat_45_with_the_colab_and_parameter_cells(paper):
   assert 'SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")' in params
   assert "RERUN = False" in params
   assert any("ex.run_arms(" in c for c in code)
-  assert "train_and_evaluate" in "".join("".join(c["source"]) for c in nb["cells"])
+  assert "launch/train.py" in "".join("".join(c["source"]) for c in nb["cells"])
+  assert any("import lib as ex" in c for c in code)
 
 
 def test_build_parses_percent_cells():
@@ -131,13 +134,14 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
     assert all(re.fullmatch(r"-?\d+\.\d{3}|–", c) for c in cells), row[0]
   assert {p.name for p in (tmp_path / paper).iterdir() if p.is_dir()} == {
       f"{arm}_s0" for arm in SMOKE_ARMS[paper]}
-  # Arms of one preset shared their base eval and SFT: each arm names its warm start, and
-  # .warm_starts/ holds those and no others.
-  warm_keys = {json.loads((tmp_path / paper / f"{arm}_s0" / "arm.json").read_text())
-               .get("warm_start", {}).get("key") for arm in SMOKE_ARMS[paper]} - {None}
-  warm_root = tmp_path / ".warm_starts"
-  assert warm_keys == ({p.name for p in warm_root.iterdir()} if warm_root.is_dir() else set())
-  assert len(warm_keys) < len(SMOKE_ARMS[paper]) or paper == "trace"
+  # The arms resumed from the notebook's warm-start arm (TRACE's own arm does its own): each
+  # names it, and .warm_starts/<paper>/ holds its run, checkpoints kept, and no other.
+  warm = {json.loads((tmp_path / paper / f"{arm}_s0" / "arm.json").read_text())
+          .get("warm_start", {}).get("arm") for arm in SMOKE_ARMS[paper]}
+  assert warm == ({"sft", None} if paper == "trace" else {"sft"})
+  warm_runs = tmp_path / ".warm_starts" / paper
+  assert [p.name for p in warm_runs.iterdir()] == ["sft_s0"]
+  assert ex.is_finished(warm_runs / "sft_s0") and (warm_runs / "sft_s0" / "checkpoints").is_dir()
   tables = (tmp_path / paper / "tables.md").read_text(encoding="utf-8")
   assert f"| {SMOKE_ARMS[paper][0]} | 1 |" in tables
   pngs = list((tmp_path / paper).glob("*.png"))
@@ -156,7 +160,7 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
   assert (tmp_path / paper / "tables.md").read_text(encoding="utf-8") == tables
 
 
-# ============================== tree_rl.experiments ==============================
+# ============================== notebooks/lib ==============================
 
 
 def _write_run(folder: pathlib.Path, rewards: list, accuracy: float | None,
@@ -263,10 +267,10 @@ def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
   assert (cpu.algo.estimator_kwargs.std_ddof, cpu.optim.lr) == (0, 3e-6)
   smoke = ex.build_config(arm, 0, "smoke")
   assert (smoke.model.name, smoke.num_steps) == ("tiny", 2)  # runlocal
-  monkeypatch.delenv(ex.GPU_MODEL_ENV, raising=False)
+  monkeypatch.delenv(arms.GPU_MODEL_ENV, raising=False)
   with pytest.raises(ValueError, match="TREE_RL_GPU_MODEL.*local Hugging Face"):
     ex.build_config(arm, 0, "gpu")  # nothing is downloaded
-  monkeypatch.setenv(ex.GPU_MODEL_ENV, str(tmp_path))
+  monkeypatch.setenv(arms.GPU_MODEL_ENV, str(tmp_path))
   gpu = ex.build_config(arm, 0, "gpu")
   assert (gpu.model.name, gpu.model.hf_folder) == ("hf", str(tmp_path))
   ex.check_arms([arm], "smoke")
@@ -276,67 +280,46 @@ def test_build_config_applies_scale_then_arm_then_seed(monkeypatch, tmp_path):
     ex.build_config(ex.Arm("x", "grpo:nope=1"), 0, "cpu")
 
 
-def test_cpu_scale_puts_every_tool_world_arm_on_the_main_jobs_preset():
-  """At the cpu scale, tool-world arms of every paper take configs/apppo.py's setup (model,
-  tasks, SFT, eval, budget) and keep their own method; so they share its warm start."""
+def test_the_cpu_scale_is_the_configs_cpu_preset(monkeypatch, tmp_path):
+  """At the cpu scale an arm is its config at `:preset=cpu` (configs/common.py) plus its
+  overrides; at gpu, the scale's overrides go under the arm's, and an `:arg` they would undo
+  unseen is refused, naming the way out (the arm's overrides)."""
+  assert arms.config_file(ex.Arm("a", "configs/apppo.py:init=4"), "cpu") == (
+      ROOT / "configs" / "apppo.py", "preset=cpu,init=4")
+  assert arms.config_file(ex.Arm("a", "grpo"), "smoke")[1] == "runlocal"
   appo = ex.build_config(ex.Arm("appo", "apppo"), 0, "cpu")
-  for spec in ("portool", "grpo", "dapo", "arpo:group=2"):
-    config = ex.build_config(ex.Arm("a", spec), 0, "cpu")
-    for field in ex.CPU_TOOLWORLD_FIELDS:
-      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
-    assert config.algo.estimator != "appo" and config.rollout.strategy != "appo"
-    assert ex.warm_start_key(config) == ex.warm_start_key(appo)
-  portool = ex.build_config(ex.Arm("p", "portool"), 0, "cpu")
-  assert portool.rollout.strategy_kwargs.t_max == 5
-  assert (portool.algo.num_minibatches, portool.algo.estimator) == (2, "portool")
-  # An arm's own override still wins; other families take the recipe, not the task's shape.
-  assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
-  for spec, family in (("awpo", "bfcl"), ("grpo:task=bfcl", "bfcl"), ("trace", "search_qa")):
-    config = ex.build_config(ex.Arm("w", spec), 0, "cpu")
-    own = ex.build_config(ex.Arm("w", spec), 0, "smoke")
-    assert config.task.family == family, spec
-    for field in ex.CPU_RECIPE_FIELDS:
-      assert ex._get(config, field) == ex._get(appo, field), (spec, field)
-    assert config.task.kwargs.to_dict() == {} and config.model.remat
-    assert config.rollout.max_new_tokens == 160 != appo.rollout.max_new_tokens
-    assert own.sft.steps <= 1  # the smoke scale keeps the configs' own runlocal presets
-  awpo_key = ex.warm_start_key(ex.build_config(ex.Arm("w", "awpo"), 0, "cpu"))
-  assert awpo_key == ex.warm_start_key(ex.build_config(ex.Arm("g", "grpo:task=bfcl"), 0, "cpu"))
-  assert awpo_key != ex.warm_start_key(appo)
-  assert ex.scale_overrides("smoke", "toolworld") == {} and ex.scale_overrides("cpu") == {}
-  # An `:arg` that changes a field the scale sets would be undone silently: refused, with
-  # the way out (the arm's overrides), which then wins.
-  with pytest.raises(ValueError, match=r"'apppo:reward=gated' changes \['task.kwargs'\].*"
-                                       "arm's overrides"):
-    ex.build_config(ex.Arm("g", "apppo:reward=gated"), 0, "cpu")
-  with pytest.raises(ValueError, match=r"changes \['num_steps'\]"):
-    ex.build_config(ex.Arm("g", "grpo:steps=9"), 0, "cpu")
-  gated = {"task.kwargs.wrong_outcome": 0.0, "task.kwargs.malformed_outcome": -1.0}
-  config = ex.build_config(ex.Arm("g", "apppo:reward=gated", gated), 0, "cpu")
-  assert config.task.kwargs.malformed_outcome == -1.0
-  assert "wrong_outcome" not in ex.build_config(  # the smoke scale sets nothing
-      ex.Arm("g", "apppo:reward=portool"), 0, "smoke").task.kwargs
-  # The preset is the main job at its earlier budget and reward, which the runs used.
   assert (appo.prompts_per_step, appo.algo.num_minibatches, appo.num_steps) == (2, 2, 5)
-  assert "wrong_outcome" not in appo.task.kwargs
+  assert "wrong_outcome" not in appo.task.kwargs and appo.eval_base
+  assert ex.build_config(ex.Arm("a", "grpo:steps=9"), 0, "cpu").num_steps == 9
+  assert ex.build_config(ex.Arm("a", "grpo", {"num_steps": 7}), 0, "cpu").num_steps == 7
+  monkeypatch.setenv(ex.GPU_MODEL_ENV, str(tmp_path))
+  with pytest.raises(ValueError, match=r"'grpo:steps=9' changes \['num_steps'\].*"
+                                       "arm's overrides"):
+    ex.build_config(ex.Arm("g", "grpo:steps=9"), 0, "gpu")
+  assert ex.build_config(ex.Arm("g", "grpo:steps=9", {"num_steps": 9}), 0, "gpu").num_steps == 9
+
+
+def test_every_committed_run_rebuilds_to_the_config_it_ran_with():
+  """Each committed run's arm (arm.json: config, overrides, seed, scale) builds the config
+  its config.json saved, but for the fields a resume may change and those added since."""
+  metas = sorted((ROOT / "results").glob("*/*/arm.json"))
+  assert metas
+  for path in metas:
+    meta = json.loads(path.read_text())
+    config = ex.build_config(ex.Arm(meta["arm"], meta["config"], meta["overrides"]),
+                             meta["seed"], meta["scale"])
+    assert running.config_changes(path.parent, config) == [], path.parent
 
 
 def test_scales_and_results_roots(monkeypatch):
-  monkeypatch.delenv(ex.RESULTS_ENV, raising=False)
-  monkeypatch.delenv(ex.SCALE_ENV, raising=False)
-  assert ex.get_scale() == "cpu"
-  monkeypatch.setenv(ex.SCALE_ENV, "smoke")
-  assert ex.get_scale() == "smoke"
-  monkeypatch.setenv(ex.SCALE_ENV, "tpu")
-  with pytest.raises(ValueError, match="valid scales"):
-    ex.get_scale()
+  monkeypatch.delenv(arms.RESULTS_ENV, raising=False)
   assert ex.results_root("cpu") == ROOT / "results"
   assert ex.results_root("gpu") == ROOT / "results" / "gpu"
   assert ROOT not in ex.results_root("smoke").parents  # never the committed results
-  monkeypatch.setenv(ex.RESULTS_ENV, "/tmp/elsewhere")
+  monkeypatch.setenv(arms.RESULTS_ENV, "/tmp/elsewhere")
   assert ex.results_root("cpu") == pathlib.Path("/tmp/elsewhere")
-  assert (ex.scale_args("smoke"), ex.scale_args("cpu"), ex.scale_overrides("cpu")) == (
-      "runlocal", "", {})
+  assert (arms.scale_args("smoke"), arms.scale_args("cpu"), arms.scale_overrides("cpu")) == (
+      "runlocal", "preset=cpu", {})
 
 
 def test_provenance_marks_code_edits_dirty_but_not_results(tmp_path):
@@ -358,38 +341,81 @@ def test_provenance_marks_code_edits_dirty_but_not_results(tmp_path):
   assert ex.provenance(tmp_path / "not_a_repo")["commit"] == "unknown"
 
 
-def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, capsys):
-  from tree_rl import train
+class FakeLaunch:
+  """Stands in for `running.launch`: what launch/train.py and launch/evaluate.py leave in a
+  workdir (large files included), from the arguments the harness passes them."""
 
-  calls, stop_at = [], {}
+  def __init__(self):
+    self.calls, self.stop_at, self.sampled = [], None, []
 
-  def fake_train(config, workdir):
-    """What train_and_evaluate leaves in a workdir, large files included."""
-    work = pathlib.Path(workdir)
+  def __call__(self, args):
+    flags = dict(a[2:].split("=", 1) for a in args[1:])
+    if args[0] == "launch/evaluate.py":
+      return self.evaluate(pathlib.Path(flags["model"]), int(flags["samples"]))
+    assert args[0] == "launch/train.py"
+    path, _, arg = flags["config"].partition(":")
+    config = importlib.import_module(f"configs.{pathlib.Path(path).stem}").get_config(arg)
+    common.override(config, json.loads(flags["overrides"]))
+    work = pathlib.Path(flags["workdir"])
     work.mkdir(parents=True, exist_ok=True)
-    calls.append(work.name)
-    steps = stop_at.get("step", config.num_steps)
-    (work / "config.json").write_text(json.dumps(config.to_dict(), default=str))
-    (work / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "phase": "rl", "reward/outcome_mean": float(len(calls))}) + "\n"
-        for s in range(1, steps + 1)))
+    self.calls.append((work.name, config.resume or None))
+    steps = config.num_steps if self.stop_at is None else self.stop_at
+    rows = []
+    if not config.resume:  # what a run does before RL: evals and SFT
+      rows += [{"step": 0, "phase": "eval:base", "eval/accuracy": 0.0}]
+      (work / "eval_base.json").write_text(json.dumps({"metrics": {"accuracy": 0.0}}))
+      if config.sft.steps:
+        rows += [{"step": 0, "phase": "sft", "sft/loss": 1.5},
+                 {"step": 0, "phase": "eval:sft", "eval/accuracy": 0.25}]
+        (work / "eval_sft.json").write_text(json.dumps({"metrics": {"accuracy": 0.25}}))
+    rows += [{"step": s, "phase": "rl", "reward/outcome_mean": float(len(self.calls))}
+             for s in range(1, steps + 1)]
+    if steps and steps == config.num_steps:
+      rows.append({"step": steps, "phase": "eval:rl", "eval/accuracy": 0.5})
+      (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
+    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (work / "checkpoints" / str(steps)).mkdir(parents=True, exist_ok=True)
     (work / "tensorboard").mkdir(exist_ok=True)
     for name in ("curves.png", "eval_rl_transcripts.jsonl"):
       (work / name).write_text("x")
-    if steps == config.num_steps:
-      (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
+    (work / "config.json").write_text(json.dumps(config.to_dict(), default=str))
     (work / "phases.txt").write_text("wall  3.0  100.0%\n")
-    return {"steps": steps, "eval": {"rl": {}} if steps == config.num_steps else {}}
 
-  monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(ex, "_setup_process", lambda: None)  # no global JAX settings in tests
-  arm = ex.Arm("grpo", "grpo", {"sft.steps": 0})  # no SFT: no warm start (see below)
-  run = ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)
+  def evaluate(self, path, k):
+    warm = running.WARM_DIR in path.parts
+    self.sampled.append(("warm" if warm else "arm", path.name, k))
+    score = 0.25 if warm else 0.5
+    metrics = {f"pass@{j}": score + 0.1 * j for j in range(1, k + 1)}
+    (path / running.SAMPLED_EVAL).write_text(json.dumps({"metrics": metrics}))
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+  fake = FakeLaunch()
+  monkeypatch.setattr(running, "launch", fake)
+  return fake
+
+
+def test_train_command_is_launch_train_with_the_arms_overrides(tmp_path):
+  arm = ex.Arm("g", "configs/grpo.py:group=2", {"optim.lr": 3e-6, "model.lora_targets": ("q",)})
+  args = running.train_command(arm, 3, "cpu", tmp_path, {"resume": "/w"})
+  assert args[:3] == ["launch/train.py", f"--config={ROOT / 'configs' / 'grpo.py'}:"
+                      "preset=cpu,group=2", f"--workdir={tmp_path}"]
+  assert json.loads(args[3].removeprefix("--overrides=")) == {
+      "optim.lr": 3e-6, "model.lora_targets": ["q"], "seed": 3, "resume": "/w"}
+  assert running.train_command(ex.Arm("g", "grpo"), 0, "smoke", tmp_path)[1].endswith(
+      "grpo.py:runlocal")
+
+
+def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, fake_launch, capsys):
+  arm = ex.Arm("grpo", "grpo")
+  run = ex.run_arm("p", arm, 0, "smoke", tmp_path)
   folder = tmp_path / "p" / "grpo_s0"
-  assert calls == ["grpo_s0"] and run.finished and run.final["rl/accuracy"] == 0.5
+  assert fake_launch.calls == [("grpo_s0", None)] and run.finished
+  assert run.final["rl/accuracy"] == 0.5
   assert sorted(p.name for p in folder.iterdir()) == [
-      "arm.json", "config.json", "eval_rl.json", "metrics.jsonl", "phases.txt"]
+      "arm.json", "config.json", "eval_base.json", "eval_rl.json", "metrics.jsonl",
+      "phases.txt"]
   meta = json.loads((folder / "arm.json").read_text())
   assert (meta["arm"], meta["seed"], meta["scale"], meta["steps"]) == ("grpo", 0, "smoke", 2)
   # Where it ran, for RESULTS.md: this clone's commit (a hex id, +dirty with local changes)
@@ -397,156 +423,105 @@ def test_run_arm_skips_finished_runs_prunes_and_reruns(tmp_path, monkeypatch, ca
   assert re.fullmatch(r"([0-9a-f]{12}(\+dirty)?|unknown)", meta["commit"]), meta["commit"]
   assert "CPU cores" in meta["hardware"] and "jax" in meta["hardware"]
 
-  again = ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)  # finished: not rerun
-  assert calls == ["grpo_s0"] and again.final == run.final
+  again = ex.run_arm("p", arm, 0, "smoke", tmp_path)  # finished: not rerun
+  assert len(fake_launch.calls) == 1 and again.final == run.final
   assert capsys.readouterr().err == ""
-  changed = ex.Arm("grpo", "grpo", {"sft.steps": 0, "optim.lr": 1e-3})  # warned, kept
-  assert ex.run_arm("p", changed, 0, "smoke", tmp_path, isolate=False).final == run.final
-  assert calls == ["grpo_s0"] and "optim.lr" in capsys.readouterr().err
+  changed = ex.Arm("grpo", "grpo", {"optim.lr": 1e-3})  # warned, kept
+  assert ex.run_arm("p", changed, 0, "smoke", tmp_path).final == run.final
+  assert len(fake_launch.calls) == 1 and "optim.lr" in capsys.readouterr().err
 
-  rerun = ex.run_arm("p", arm, 0, "smoke", tmp_path, rerun=True, isolate=False)
-  assert calls == ["grpo_s0", "grpo_s0"] and rerun.final["train/reward/outcome_mean"] == 2.0
+  rerun = ex.run_arm("p", arm, 0, "smoke", tmp_path, rerun=True)
+  assert len(fake_launch.calls) == 2 and rerun.final["train/reward/outcome_mean"] == 2.0
 
-  stop_at["step"] = 1  # a signal stops the run: no arm.json, its checkpoint is kept
+  fake_launch.stop_at = 1  # a signal stops the run: no arm.json, its checkpoint is kept
   with pytest.raises(KeyboardInterrupt, match="resume"):
-    ex.run_arm("p", arm, 1, "smoke", tmp_path, isolate=False)
+    ex.run_arm("p", arm, 1, "smoke", tmp_path)
   stopped = tmp_path / "p" / "grpo_s1"
   assert not ex.is_finished(stopped) and (stopped / "checkpoints").is_dir()
-  del stop_at["step"]
-  assert ex.run_arm("p", arm, 1, "smoke", tmp_path, isolate=False).finished  # resumed
-  three = ex.Arm("grpo", "grpo", {"sft.steps": 0}, seeds=(0, 1, 2))
-  smoke = ex.run_arms("p", [three], "smoke", tmp_path, isolate=False)
+  fake_launch.stop_at = None
+  assert ex.run_arm("p", arm, 1, "smoke", tmp_path).finished  # resumed
+  three = ex.Arm("grpo", "grpo", seeds=(0, 1, 2))
+  smoke = ex.run_arms("p", [three], "smoke", tmp_path)
   assert [r.seed for r in smoke] == [0]  # smoke: 1 seed
   # Re-plotting only: the finished runs' records, none for the others, nothing trained.
   replot = ex.run_arms("p", [three], "cpu", tmp_path, replot_only=True)
-  assert [r.seed for r in replot] == [0, 1] and len(calls) == 4
+  assert [r.seed for r in replot] == [0, 1] and len(fake_launch.calls) == 4
 
 
-def test_arms_that_differ_only_in_rl_share_one_warm_start_per_seed(tmp_path, monkeypatch):
-  """The base eval, SFT and SFT eval run once per (preset, seed) in .warm_starts/; each arm
-  resumes from there and its folder gets the warm start's evals and rows ahead of its own."""
-  from tree_rl import train
-
-  calls = []
-
-  def fake_train(config, workdir):
-    work = pathlib.Path(workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    calls.append((work.name, config.resume))
-    rows = []
-    if not config.resume:  # what a run does before RL: evals and SFT
-      rows += [{"step": 0, "phase": "eval:base", "eval/accuracy": 0.0},
-               {"step": 0, "phase": "sft", "sft/loss": 1.5},
-               {"step": 0, "phase": "eval:sft", "eval/accuracy": 0.25}]
-      for stage, acc in (("base", 0.0), ("sft", 0.25)):
-        (work / f"eval_{stage}.json").write_text(json.dumps({"metrics": {"accuracy": acc}}))
-    rows += [{"step": s, "phase": "rl", "reward/outcome_mean": 0.5}
-             for s in range(1, config.num_steps + 1)]
-    if config.num_steps:
-      rows.append({"step": config.num_steps, "phase": "eval:rl", "eval/accuracy": 0.5})
-      (work / "eval_rl.json").write_text(json.dumps({"metrics": {"accuracy": 0.5}}))
-    (work / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (work / "checkpoints" / str(config.num_steps)).mkdir(parents=True, exist_ok=True)
-    (work / "config.json").write_text(json.dumps(config.to_dict(), default=str))
-    (work / "phases.txt").write_text("wall  3.0  100.0%\n")
-    return {"steps": config.num_steps, "eval": {"base": {}, "sft": {}}}
-
-  monkeypatch.setattr(train, "train_and_evaluate", fake_train)
-  monkeypatch.setattr(ex, "_setup_process", lambda: None)
-  grpo = ex.Arm("grpo", "grpo", {"sft.steps": 1})
-  other_rl = ex.Arm("grpo_g4", "grpo", {"sft.steps": 1, "rollout.samples_per_task": 4,
-                                        "num_steps": 3})
-  longer_sft = ex.Arm("grpo_sft2", "grpo", {"sft.steps": 2})
-  for arm in (grpo, other_rl, longer_sft):
-    ex.run_arm("p", arm, 0, "smoke", tmp_path, isolate=False)
-  ex.run_arm("p", grpo, 1, "smoke", tmp_path, isolate=False)
-  warm_runs = [name for name, resume in calls if not resume]
-  # One warm start for the first two arms at seed 0, one for the longer SFT, one for seed 1.
-  assert len(warm_runs) == 3 and len(set(warm_runs)) == 3
-  assert [name for name, resume in calls if resume] == [
-      "grpo_s0", "grpo_g4_s0", "grpo_sft2_s0", "grpo_s1"]
-  key = ex.warm_start_key(ex.build_config(grpo, 0, "smoke"))
-  assert key == ex.warm_start_key(ex.build_config(other_rl, 0, "smoke"))
-  assert key != ex.warm_start_key(ex.build_config(longer_sft, 0, "smoke"))
-  warm = tmp_path / ".warm_starts" / f"{key}_s0"
-  assert dict(calls)["grpo_s0"] == str((warm / "checkpoints").resolve())
-  assert json.loads((warm / "warm.json").read_text())["key"] == f"{key}_s0"
+def test_arms_resume_from_their_warm_start_arm_run_once_per_seed(tmp_path, fake_launch):
+  """A warm-start arm (the base eval, SFT and SFT eval: num_steps 0) runs once per seed in
+  .warm_starts/<paper>/; each arm that names it resumes from its checkpoint, and its folder
+  gets the warm start's evals and rows ahead of its own."""
+  sft = ex.Arm("sft", "apppo", {"num_steps": 0})
+  appo = ex.Arm("appo", "apppo", warm_start=sft)
+  grpo = ex.Arm("grpo", "apppo", {"algo.estimator": "grpo", "algo.estimator_kwargs": {},
+                                  "rollout.strategy": "flat", "rollout.strategy_kwargs": {},
+                                  "num_steps": 3}, warm_start=sft)
+  for arm in (appo, grpo):
+    ex.run_arm("p", arm, 0, "smoke", tmp_path)
+  ex.run_arm("p", appo, 1, "smoke", tmp_path)
+  warm = tmp_path / running.WARM_DIR / "p" / "sft_s0"
+  resume = str((warm / "checkpoints").resolve())
+  assert fake_launch.calls == [("sft_s0", None), ("appo_s0", resume), ("grpo_s0", resume),
+                               ("sft_s1", None), ("appo_s1", resume.replace("_s0", "_s1"))]
+  assert ex.is_finished(warm) and (warm / "checkpoints").is_dir()  # kept: arms resume from it
   # The arm's folder reads as one whole run: evals and SFT rows first, then its RL.
-  run = ex.load_run(tmp_path / "p" / "grpo_g4_s0")
+  run = ex.load_run(tmp_path / "p" / "grpo_s0")
   assert [r["phase"] for r in run.history] == [
       "eval:base", "sft", "eval:sft", "rl", "rl", "rl", "eval:rl"]
   assert (run.final["base/accuracy"], run.final["sft/accuracy"], run.final["rl/accuracy"]) == (
       0.0, 0.25, 0.5)
-  assert json.loads((run.path / "arm.json").read_text())["warm_start"]["key"] == f"{key}_s0"
+  assert json.loads((run.path / "arm.json").read_text())["warm_start"]["arm"] == "sft"
   assert not (run.path / "checkpoints").exists()
-  # Grafting twice (a run interrupted after it) leaves one copy of the warm start's rows.
-  ex._graft_warm_start(run.path, warm)
+  running._graft_warm_start(run.path, warm)  # twice (an interruption after it): one copy
   assert len(ex.load_run(run.path).history) == 7
-  # A re-plot of the finished arm warns about nothing (its config.json names the warm start).
-  assert ex.config_changes(run.path, ex.build_config(other_rl, 0, "smoke")) == []
-  assert ex.load_runs(tmp_path, "p")[0].arm == "grpo"  # .warm_starts is not a paper's run
+  assert running.config_changes(run.path, ex.build_config(grpo, 0, "smoke")) == []
+  assert [r.arm for r in ex.load_runs(tmp_path, "p")] == ["appo", "appo", "grpo"]
 
-  # pass_k: the SFT policy (the warm start's checkpoint) is sampled once per warm start and
-  # k, and each arm's folder gets it beside its own policy's sampled eval.
-  sampled = []
-
-  def fake_sampled_eval(path, num_samples):
-    path = pathlib.Path(path)
-    sampled.append((path.name, num_samples))
-    score = 0.25 if path.parent.name == ".warm_starts" else 0.5
-    metrics = {f"pass@{k}": score + 0.1 * k for k in range(1, num_samples + 1)}
-    (path / "eval_sampled.json").write_text(json.dumps({"metrics": metrics}))
-    return metrics
-
-  monkeypatch.setattr(ex, "sampled_eval", fake_sampled_eval)
-  for name in ("grpo_pass", "grpo_pass2"):
-    ex.run_arm("p", ex.Arm(name, "grpo", {"sft.steps": 1}), 0, "smoke", tmp_path, pass_k=2,
-               isolate=False)
-  assert sampled == [(f"{key}_s0", 2), ("grpo_pass_s0", 2), ("grpo_pass2_s0", 2)]
-  run = ex.load_run(tmp_path / "p" / "grpo_pass2_s0")
+  # pass_k: the warm start's policy is sampled once per k, and each arm's folder gets it
+  # beside its own policy's sampled eval.
+  for name in ("appo_pass", "appo_pass2"):
+    ex.run_arm("p", ex.Arm(name, "apppo", warm_start=sft), 0, "smoke", tmp_path, pass_k=2)
+  assert fake_launch.sampled == [("warm", "sft_s0", 2), ("arm", "appo_pass_s0", 2),
+                                 ("arm", "appo_pass2_s0", 2)]
+  run = ex.load_run(tmp_path / "p" / "appo_pass2_s0")
   assert (run.final["sft_sampled/pass@2"], run.final["sampled/pass@2"]) == (0.45, 0.7)
-  ex.run_arm("p", ex.Arm("grpo_pass3", "grpo", {"sft.steps": 1}), 0, "smoke", tmp_path,
-             pass_k=3, isolate=False)  # a larger k samples the SFT policy again
-  assert sampled[3:] == [(f"{key}_s0", 3), ("grpo_pass3_s0", 3)]
+  ex.run_arm("p", ex.Arm("appo_pass3", "apppo", warm_start=sft), 0, "smoke", tmp_path,
+             pass_k=3)  # a larger k samples the warm start's policy again
+  assert fake_launch.sampled[3:] == [("warm", "sft_s0", 3), ("arm", "appo_pass3_s0", 3)]
 
 
-def test_warm_start_key_tracks_what_the_prefix_reads():
-  base = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1}), 0, "smoke")
-  same = [{"algo.estimator": "dapo"}, {"optim.lr": 5e-4}, {"rollout.temperature": 0.7},
-          {"prompts_per_step": 8}, {"eval_every_steps": 2}]
-  differ = [{"sft.lr": 1e-3}, {"task.num_eval_tasks": 3}, {"rollout.max_new_tokens": 17},
-            {"model.lora_rank": 4}]
-  key = ex.warm_start_key(base)
-  for overrides in same + differ:
-    config = ex.build_config(ex.Arm("a", "grpo", {"sft.steps": 1, **overrides}), 0, "smoke")
-    assert (ex.warm_start_key(config) == key) == (overrides in same), overrides
-  # TRACE's predictor is in the checkpoint: its settings are part of the key.
-  t1 = ex.build_config(ex.Arm("t", "trace"), 0, "smoke")
-  t2 = ex.build_config(ex.Arm("t", "trace", {"rollout.strategy_kwargs.predictor_kwargs.lr": 3e-4}),
-                       0, "smoke")
-  assert ex.warm_start_key(t1) != ex.warm_start_key(t2)
-
-
-def _child_pid(offset: int) -> int:
-  return os.getpid() + offset
-
-
-def _child_raises() -> None:
-  raise ValueError("bad arm")
-
-
-def _child_dies() -> None:
-  os._exit(3)
+def test_warm_starts_are_checked_before_anything_runs():
+  sft = ex.Arm("sft", "apppo", {"num_steps": 0})
+  ex.check_arms([ex.Arm("a", "apppo", warm_start=sft)], "cpu")
+  with pytest.raises(ValueError, match=r"differ in \['model'\]"):
+    ex.check_arms([ex.Arm("a", "apppo", {"model.remat": True}, warm_start=sft)], "cpu")
+  with pytest.raises(ValueError, match="'sft', the warm start of 'a', has num_steps=5"):
+    ex.check_arms([ex.Arm("a", "apppo", warm_start=ex.Arm("sft", "apppo"))], "cpu")
+  with pytest.raises(ValueError, match="sets resume and a warm_start"):
+    ex.Arm("a", "apppo", {"resume": "/w"}, warm_start=sft)
+  with pytest.raises(ValueError, match="without a warm start of its own"):
+    ex.Arm("a", "apppo", warm_start=ex.Arm("b", "apppo", warm_start=sft))
+  with pytest.raises(ValueError, match="two different arms are named 'sft'"):
+    ex.unique_arms([ex.Arm("a", "apppo", warm_start=sft)],
+                   [ex.Arm("b", "apppo", warm_start=ex.Arm("sft", "grpo"))])
 
 
 @pytest.mark.e2e
-def test_call_in_child_returns_raises_and_reports_a_dead_child():
-  """Runs train in a fresh process each (run_arm's isolate): the value comes back, an
-  exception is raised here by name, and a child that dies without answering is an error
-  naming its exit code."""
-  assert ex.call_in_child(_child_pid, 0) not in (os.getpid(), 0)
-  with pytest.raises(RuntimeError, match="_child_raises failed in its child process: "
-                                         "ValueError: bad arm"):
-    ex.call_in_child(_child_raises)
-  with pytest.raises(RuntimeError, match="exited with code 3"):
-    ex.call_in_child(_child_dies)
+def test_launch_prints_the_childs_output_and_names_a_failed_command(capsys, tmp_path):
+  script = tmp_path / "child.py"
+  script.write_text("import sys\nprint('hello from', sys.argv[1])\nsys.exit(int(sys.argv[2]))\n")
+  running.launch([str(script), "a", "0"])
+  assert capsys.readouterr().out == "hello from a\n"
+  with pytest.raises(RuntimeError, match=r"exited with code 3: .*child.py b 3"):
+    running.launch([str(script), "b", "3"])
+
+
+@pytest.mark.e2e
+def test_launch_train_refuses_overrides_that_are_not_a_json_object():
+  for text, message in [("[1]", "must be a JSON object"), ("{", "is not JSON"),
+                        ('{"optim.nope.x": 1}', "'optim.nope' is not a section")]:
+    out = subprocess.run([sys.executable, "launch/train.py", "--config=configs/grpo.py:runlocal",
+                          f"--overrides={text}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]

@@ -12,8 +12,10 @@ accuracy is printed per stage at the end, with RL paired against its start.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import gc
 import json
 import pathlib
 import shutil
@@ -173,6 +175,33 @@ def _step_row(result: StepResult, rollout: Rollout, reasoning: Any,
   return row
 
 
+def release_memory() -> None:
+  """Gives back what a finished run leaves behind once its objects are gone: jax's caches
+  of the programs compiled for it (each run jits its own closures, so they would not be
+  reused) and the heap that glibc keeps for reuse (`malloc_trim`), so that runs one after
+  another in a process each start near the first one's footprint."""
+  gc.collect()
+  jax.clear_caches()
+  try:
+    ctypes.CDLL(None).malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc (macOS, musl): its heap is its own
+    pass
+
+
+def _releasing_memory(fn):
+  """`fn`, then `release_memory` once its frame (the run's objects) is gone."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    finally:
+      release_memory()
+
+  return wrapper
+
+
+@_releasing_memory
 def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
                        ) -> dict[str, Any]:
   """Runs the configured experiment in `workdir`. Resuming the workdir's run with a
@@ -180,7 +209,8 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
 
   Returns:
     {"eval": {stage: eval metrics} (stages "base", "sft", "step<k>", "rl"), "steps": the
-    last RL step done, "history": the metrics rows, "state": the final TrainState}.
+    last RL step done, "history": the metrics rows, "state": the final TrainState}. Nothing
+    else of the run outlives the call (`release_memory`).
   """
   # ============================== Setup ==============================
   cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile

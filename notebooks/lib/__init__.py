@@ -1,0 +1,26 @@
+"""The paper notebooks' harness: arms as data, runs, and their tables and plots.
+
+The notebooks in `notebooks/` (one per paper) are thin clients of this package: each lists
+its arms (a config file under `configs/` plus overrides, and the warm-start arm it resumes
+from), runs them at one of three scales, and rebuilds its tables and plots from what the
+runs left on disk, so committed results re-plot without re-running anything
+(docs/notebooks.md). A notebook puts `notebooks/` on `sys.path` and imports this package
+as `lib`.
+
+- `lib.arms`: `Arm`, the scales, the results root and each arm's config.
+- `lib.running`: `run_arm` / `run_arms`, which train each (arm, seed) in its own folder as
+  a `launch/train.py` process.
+- `lib.results`: `load_runs`, the tables over seeds and the plots.
+"""
+
+from lib.arms import (GPU_MODEL_ENV, RESULTS_ENV, SCALES, Arm, build_config, check_arms,
+                      checked_arms, results_root, unique_arms)
+from lib.results import (Run, Stat, curve, is_finished, load_run, load_runs, plot_bars,
+                         plot_columns, plot_curves, show, summarize, summary_table,
+                         write_tables)
+from lib.running import provenance, run_arm, run_arms
+
+__all__ = ["GPU_MODEL_ENV", "RESULTS_ENV", "SCALES", "Arm", "Run", "Stat", "build_config",
+           "check_arms", "checked_arms", "curve", "is_finished", "load_run", "load_runs",
+           "plot_bars", "plot_columns", "plot_curves", "provenance", "results_root", "run_arm",
+           "run_arms", "show", "summarize", "summary_table", "unique_arms", "write_tables"]
