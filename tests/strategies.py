@@ -7,10 +7,24 @@ leaf, single-child chains, depth-1 trees, all-equal rewards, truncated leaves.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from hypothesis import strategies as st
 
 from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree
+
+# CI (CI=true) draws every property test's full count of examples; elsewhere, as in the
+# fast tier (`pytest -m "not e2e"`), a quarter of it, at least 10. TREE_RL_FULL_EXAMPLES=1
+# asks for the full count anywhere.
+FULL_EXAMPLES = (os.environ.get("CI", "").lower() == "true"
+                 or os.environ.get("TREE_RL_FULL_EXAMPLES") == "1")
+
+
+def examples(n: int) -> int:
+  """The `max_examples` of a property test whose full count is `n` (see FULL_EXAMPLES)."""
+  return n if FULL_EXAMPLES else max(10, n // 4)
+
 
 TEST_BUCKETS = Buckets(tokens=(256,), nodes=(128,), leaves=(16,), path_tokens=(64,), trees=None)
 VOCAB = 50

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hst
 
 from tests.algos import harness, ref_appo
-from tests.strategies import TEST_BUCKETS, appo_tree, general_tree
+from tests.strategies import TEST_BUCKETS, appo_tree, examples, general_tree
 from tree_rl.algos import appo, registry
 from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree, derived, pack
 
@@ -474,7 +474,7 @@ def _few_leaves(tree):
   return len(tree.leaves) <= TEST_BUCKETS.leaves[-1]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(trees=hst.lists(hst.one_of(appo_tree(), general_tree().filter(_few_leaves)), min_size=1,
                        max_size=N_TREES),
        seed=hst.integers(0, 2**31 - 1))
@@ -527,7 +527,7 @@ def _appo_batch(trees, seed, first_minibatch):
   return canon, batch, logp.astype(np.float32), entropy.astype(np.float32)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(trees=hst.lists(appo_tree().filter(_fits), min_size=N_TREES, max_size=N_TREES),
        first=hst.lists(hst.booleans(), min_size=N_TREES, max_size=N_TREES),
        seed=hst.integers(0, 2**31 - 1))
@@ -585,7 +585,7 @@ def _assert_same_selection(got, r, require):
 # ----------------------------------------------------------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(trees=hst.lists(appo_tree(outcomes=(1.0,)).filter(_fits), min_size=N_TREES,
                        max_size=N_TREES))
 def test_equal_rewards_give_zero_advantage(trees):
@@ -596,7 +596,7 @@ def test_equal_rewards_give_zero_advantage(trees):
     assert float(adv.metrics["z_init_zero_std_rate"]) == 1.0
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(trees=hst.lists(appo_tree(branches_max=0).filter(_fits), min_size=N_TREES,
                        max_size=N_TREES))
 def test_no_branches_reduces_to_z_init(trees):
@@ -664,7 +664,7 @@ def test_degenerate_trees_are_finite(config):
   assert not np.asarray(adv.node_leaf).any()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(trees=hst.lists(general_tree().filter(lambda t: len(t.leaves) <= 16), min_size=N_TREES,
                        max_size=N_TREES),
        seed=hst.integers(0, 1000))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from configs import awpo as awpo_config
 from tests.algos import harness, ref_awpo
-from tests.strategies import TEST_BUCKETS, flat_tree, general_tree
+from tests.strategies import TEST_BUCKETS, examples, flat_tree, general_tree
 from tree_rl.algos import awpo, registry  # noqa: F401  (awpo import registers the estimator)
 from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.losses import policy_loss
@@ -404,14 +404,14 @@ def check_against_reference(trees, cfg, check=True):
   assert np.isfinite(np.asarray(adv.dense(batch))).all()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(trees=st.lists(any_tree(), min_size=N_TREES, max_size=N_TREES),
        cfg=st.sampled_from(CONFIGS))
 def test_matches_reference(trees, cfg):
   check_against_reference(trees, cfg)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(trees=st.lists(any_tree(), min_size=N_TREES, max_size=N_TREES),
        cfg=st.sampled_from(CONFIGS), data=st.data())
 def test_matches_reference_with_missing_judge(trees, cfg, data):
@@ -451,7 +451,7 @@ def per_leaf(batch, adv, b, tree):
   return np.array(out)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(tree=general_tree(outcomes=AWPO_OUTCOMES), shift=st.sampled_from([0.25, -0.5, 1.0]),
        perm_seed=st.integers(0, 1000))
 def test_invariances(tree, shift, perm_seed):

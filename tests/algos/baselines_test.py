@@ -16,7 +16,7 @@ from tree_rl.algos import grpo, registry, tree_baselines  # noqa: F401  (registe
 from tree_rl.config_types import RunConfig
 from tree_rl.tree import Buckets, NodeKind, RolloutTree, pack, structure
 
-SETTINGS = settings(max_examples=200, deadline=None,
+SETTINGS = settings(max_examples=S.examples(200), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 TREES = st.lists(st.one_of(S.general_tree(), S.flat_tree()), min_size=1, max_size=4)
 
@@ -330,7 +330,7 @@ def test_matches_reference(name):
     ("arpo", grpo.ARPOConfig(attribution="hard")),
 ])
 def test_depth_one_tree_gives_grpo(name, config):
-  @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+  @settings(max_examples=S.examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
   @given(st.lists(S.flat_tree(), min_size=1, max_size=4))
   def check(trees):
     batch, want = harness.run("grpo", trees)

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from tests import strategies as S
 from tree_rl import algos
 from tree_rl.algos import registry
-from tree_rl.tree import Buckets, RolloutTree, pack
+from tree_rl.tree import RolloutTree, pack
 
-SETTINGS = settings(max_examples=40, deadline=None,
+SETTINGS = settings(max_examples=S.examples(40), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 NAMES = [e.value for e in algos.AdvEstimator]
 TREES = st.lists(st.one_of(S.general_tree(), S.flat_tree(), S.portool_tree(), S.appo_tree()),

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hst
 
-from tests.strategies import TEST_BUCKETS, appo_tree, general_tree
+from tests.strategies import TEST_BUCKETS, appo_tree, examples, general_tree
 from tree_rl.algos import registry
 from tree_rl.algos.losses import LossConfig, policy_loss
 from tree_rl.algos.registry import Advantages
@@ -30,7 +30,7 @@ from tree_rl.tree import (
 )
 
 BUCKETS = dataclasses.replace(TEST_BUCKETS, trees=(3,))  # fixed shapes: one compile per module
-SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=examples(50), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Compiles dominate this module's runtime (a run takes ~1 ms, a CPU compile seconds);
 # skipping LLVM's optimisation passes cuts them by more than half.
@@ -218,7 +218,7 @@ def test_appo_tree_matches_flat(trees, seed, use_appo):
   check_against_flat(batch, adv, logp, ref, ent, CONFIGS)
 
 
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=examples(25))
 @given(hst.lists(general_tree(), min_size=1, max_size=3), hst.integers(0, 2**31 - 1))
 def test_awpo_clip_radius_replaces_eps(trees, seed):
   batch = pack(trees, BUCKETS)
@@ -236,7 +236,7 @@ TWO_TERM = tuple(dataclasses.replace(c, surrogate="two_term") for c in CONFIGS
                  if c.kl_coef == 0)
 
 
-@settings(SETTINGS, max_examples=25)
+@settings(SETTINGS, max_examples=examples(25))
 @given(hst.lists(general_tree(), min_size=1, max_size=3), hst.integers(0, 2**31 - 1))
 def test_two_term_is_the_sum_of_separately_clipped_parts(trees, seed):
   batch = pack(trees, BUCKETS)

@@ -23,7 +23,7 @@ from tree_rl.tree import NodeKind, RolloutTree, pack
 # batch of 4 trees (fewer trees are padded with empty trees).
 BUCKETS = dataclasses.replace(S.TEST_BUCKETS, tokens=(256,), nodes=(128,), path_tokens=(128,),
                               trees=(4,))
-SETTINGS = settings(max_examples=200, deadline=None,
+SETTINGS = settings(max_examples=S.examples(200), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FOUR_PORTOOL = st.lists(S.portool_tree(), min_size=4, max_size=4)
 DEFAULT = portool.PORToolConfig()
@@ -346,13 +346,13 @@ ORACLE_VARIANTS = [portool.PORToolConfig(**kw) for kw, _ in VARIANTS.values()] +
 ]
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=S.examples(60))
 @given(trees=FOUR_PORTOOL, config=st.sampled_from(ORACLE_VARIANTS))
 def test_oracle_variants(trees, config):
   _check_oracle(trees, config)
 
 
-@settings(SETTINGS, max_examples=40)
+@settings(SETTINGS, max_examples=S.examples(40))
 @given(trees=st.lists(S.general_tree(), min_size=4, max_size=4))
 def test_general_trees_finite_and_match(trees):
   # Policy nodes split into chains, env leaves, env-after-env: no NaN/inf,
@@ -372,7 +372,7 @@ def _phi(a, rho, eps=0.2):
   return np.minimum(rho * a, np.clip(rho, 1 - eps, 1 + eps) * a)
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=S.examples(60))
 @given(trees=FOUR_PORTOOL, seed=st.integers(0, 2**31 - 1))
 def test_identities_i1_i3(trees, seed):
   """The omega2-weighted per-trajectory fork sum equals the fork-wise GRPO
@@ -418,7 +418,7 @@ def _with_constant_rewards(tree, outcome, raw):
   return t
 
 
-@settings(SETTINGS, max_examples=30)
+@settings(SETTINGS, max_examples=S.examples(30))
 @given(trees=st.lists(st.one_of(S.portool_tree(), S.general_tree()), min_size=4, max_size=4),
        outcome=st.sampled_from(S.OUTCOMES), raw=st.sampled_from(S.FORMAT_RAW))
 def test_constant_rewards_give_zero(trees, outcome, raw):
@@ -449,7 +449,7 @@ def chains_tree(draw):
   return t
 
 
-@settings(SETTINGS, max_examples=30)
+@settings(SETTINGS, max_examples=S.examples(30))
 @given(trees=st.lists(chains_tree(), min_size=4, max_size=4))
 def test_f1_only_root_forks(trees):
   """f = 1: the trajectory term everywhere, plus a fork term on first steps
@@ -499,7 +499,7 @@ def _mirror(tree):
   return new, new_of
 
 
-@settings(SETTINGS, max_examples=30)
+@settings(SETTINGS, max_examples=S.examples(30))
 @given(trees=FOUR_PORTOOL)
 def test_sibling_permutation_equivariance(trees):
   """Reordering siblings permutes the (node, leaf) table and changes nothing else."""

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.strategies import TEST_BUCKETS, general_tree
+from tests.strategies import TEST_BUCKETS, examples, general_tree
 from tree_rl.algos import trace
 from tree_rl.tree import NodeKind, RolloutTree, pack
 
@@ -78,7 +78,7 @@ def brute_force_roots(v, total, cap):
   return best, max(a for s, a in scored if s >= best - 1e-12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(v=st.lists(PROBS, min_size=1, max_size=4), total=st.integers(0, 9),
        cap=st.one_of(st.none(), st.integers(2, 6)))
 def test_allocate_roots_matches_brute_force(v, total, cap):
@@ -152,7 +152,7 @@ def test_allocate_prefixes_hand_examples():
     trace.allocate_prefixes([1.5], 3)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(q=st.lists(PROBS, min_size=1, max_size=4), budget=st.integers(0, 7))
 def test_allocate_prefixes_matches_brute_force(q, budget):
   k = trace.allocate_prefixes(q, budget)
@@ -214,7 +214,7 @@ def eq18(tree: RolloutTree):
   return n, v
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(trees=st.lists(general_tree(outcomes=(0.0, 0.25, 1.0)), min_size=4, max_size=4))
 def test_backed_up_targets_match_eq18(trees):
   canon = [t.canonical() for t in trees]

@@ -40,6 +40,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.strategies import examples
 from tree_rl.envs import calculator, make_family
 from tree_rl.envs.base import ToolError, ToolOutputCap
 from tree_rl.envs.executor import ToolExecutor
@@ -207,7 +208,7 @@ def _parse_and_execute(text: str) -> None:
 
 
 def test_parser_and_executor_answer_every_step():
-  @settings(max_examples=500, **SETTINGS)
+  @settings(max_examples=examples(500), **SETTINGS)
   @given(step_text())
   @example('<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>')  # issue #36
   @example('<tool_call>{"name": "calculator", "arguments": {"expression": '
@@ -260,7 +261,7 @@ def _calculate(expression: str) -> None:
 
 
 def test_calculator_returns_a_value_or_a_value_error():
-  @settings(max_examples=800, **SETTINGS)
+  @settings(max_examples=examples(800), **SETTINGS)
   @given(EXPRESSIONS)
   @example("round(1, 20000000)")  # issue #36: held the GIL for ~18 s
   @example("round(1, 999999999)")
@@ -316,7 +317,7 @@ def _evaluate(task, steps: list[str], workdir: str) -> None:
 def test_evaluation_rewards_and_transcripts_never_raise(tmp_path):
   workdir = str(tmp_path)
 
-  @settings(max_examples=200, **SETTINGS)
+  @settings(max_examples=examples(200), **SETTINGS)
   @given(st.sampled_from(TASKS), st.lists(step_text(), min_size=0, max_size=2), TEXT)
   @example(TASKS[0], ['<tool_call>{"name": "\\ud800", "arguments": {}}</tool_call>'], "5")
   @example(TASKS[0], ['<think>a b c d</think><tool_call>{"name": "math_calculation", '
@@ -434,7 +435,7 @@ TORN = '{"key": "x", "content": "caf\u00e9 \u2014 \U0001f600"}\n'.encode()
 
 
 def test_the_judge_survives_any_reply_episode_and_cache_file(judge_server, tmp_path):
-  @settings(max_examples=250, **SETTINGS)
+  @settings(max_examples=examples(250), **SETTINGS)
   @given(REPLIES, TEXT, st.floats(0, 1), st.binary(max_size=32))
   @example(_completion('\ud800 {"label": "true"}'), "5", 1.0, b"")  # issue #36, cache set
   @example(_completion('{"label": "true"}'), "\ud800", 1.0, b"")

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from tests.strategies import examples
 from tree_rl.envs import make_family
 from tree_rl.envs.base import ToolError, ToolOutputCap
 from tree_rl.envs.episode import OpenEpisode, advance
@@ -35,7 +36,7 @@ BY_NAME = {t.name: t for t in TOOLS}
 TERMINAL = frozenset(t.name for t in TOOLS if t.terminal)
 CAP_TOKENS = 128  # small, so huge replies and huge echoed arguments are cut often
 STEPS_PER_EXAMPLE = 10
-MAX_EXAMPLES = 520  # 5,200 steps
+MAX_EXAMPLES = examples(520)  # 5,200 steps in CI
 TOOL_TURN = "<|im_start|>tool\n"
 
 # What was generated and answered, over the whole run (checked at the end).

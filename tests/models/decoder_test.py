@@ -22,7 +22,7 @@ from tree_rl.tree import derived, pack
 
 # Every batch is padded to 3 trees so each model compiles once per test.
 BUCKETS = dataclasses.replace(S.TEST_BUCKETS, trees=(3,))
-SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=S.examples(10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MODELS = {f: Decoder(ModelConfig.tiny(f), rngs=nnx.Rngs(i)) for i, f in enumerate(
     ("llama", "qwen2", "qwen3"))}
 
@@ -85,7 +85,7 @@ def both(d, bw, batch):
 _BLOCKWISE = {}
 
 
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=S.examples(8))
 @given(trees=st.lists(S.general_tree(max_nodes=30), min_size=1, max_size=3))
 def test_blockwise_equals_dense(trees):
   batch = pack(trees, BUCKETS)
@@ -106,7 +106,7 @@ def test_blockwise_equals_dense(trees):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), gd, gb)
 
 
-@settings(SETTINGS, max_examples=20)
+@settings(SETTINGS, max_examples=S.examples(20))
 @given(trees=st.lists(S.general_tree(max_nodes=40), min_size=1, max_size=3))
 def test_max_visible_blocks_is_exact_bound(trees):
   batch = pack(trees, BUCKETS)
@@ -177,7 +177,7 @@ def _full_and_policy_only(model, batch, narrow):
   return full, part, g_full, g_part, lp
 
 
-@settings(SETTINGS, max_examples=8)
+@settings(SETTINGS, max_examples=S.examples(8))
 @given(trees=st.lists(S.general_tree(max_nodes=30), min_size=1, max_size=3))
 def test_policy_only_logprobs_gather_the_policy_tokens(trees):
   batch = pack(trees, BUCKETS)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, pre_tokenizers
 
+from tests.strategies import examples
 from tree_rl.models import gguf_import
 
 Q = gguf.GGMLQuantizationType
@@ -193,7 +194,7 @@ def test_transformers_loads_every_tensor(tmp_path, arch, tied):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
-@settings(deadline=None, max_examples=30)
+@settings(deadline=None, max_examples=examples(30))
 @given(n_head=st.integers(1, 5), half=st.integers(1, 6), cols=st.integers(0, 3))
 def test_unpermute_inverts_llama_cpp_permutation(n_head, half, cols):
   shape = (n_head * 2 * half,) + ((cols,) if cols else ())

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.strategies import examples
 from tree_rl.rewards import awpo_outcome_reward, execution_match
 
 
@@ -129,7 +130,7 @@ def _best_assignment(gt, pred):
   return best
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(gt=st.lists(_call(), max_size=3), pred=st.lists(_call(), max_size=3))
 def test_range_and_upper_bound(gt, pred):
   s = execution_match(gt, pred)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.strategies import examples
 from tree_rl.envs.base import ParsedStep, Tool, ToolError, ToolResult, render_tool_output
 from tree_rl.envs.executor import ToolExecutor
 from tree_rl.envs.parsing import format_tool_call, parse_step
@@ -277,7 +278,7 @@ def test_fuzz_parser_executor_rubric():
   assert {None, ToolError.PARSE, ToolError.FORMAT} <= seen_errors
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.one_of(st.sampled_from(_JUNK), st.text(max_size=8)), max_size=30))
 def test_hypothesis_fragments(fragments):
   _check_step(ToolExecutor(FUZZ_TOOLS), "".join(fragments))

@@ -57,7 +57,7 @@ def test_pack_checks_each_tree_and_names_it():
     pack([small_tree(), bad], vocab_size=50)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=S.examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(S.general_tree(), min_size=1, max_size=3))
 def test_unpack_inverts_pack(trees):
   batch = pack(trees, S.TEST_BUCKETS, vocab_size=S.VOCAB)

@@ -31,7 +31,7 @@ def to_np(struct):
                            if hasattr(v, "shape")})
 
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=S.examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TREES = st.lists(st.one_of(S.general_tree(), S.portool_tree(), S.appo_tree()), min_size=1,
                  max_size=3)
 

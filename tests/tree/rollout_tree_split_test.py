@@ -91,7 +91,7 @@ def test_preorder_is_the_canonical_order():
   assert [canon.nodes[c].tokens for c in range(len(order))] == [t.nodes[i].tokens for i in order]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=S.examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=S.general_tree(), data=st.data())
 def test_random_splits_keep_every_path(tree, data):
   before = _paths(tree)

@@ -39,7 +39,7 @@ def test_json_round_trip():
   assert json.loads(t.to_json())["nodes"][1]["kind"] == "policy"
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=S.examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(S.general_tree())
 def test_json_round_trip_random(tree):
   assert RolloutTree.from_json(tree.to_json()) == tree
@@ -128,7 +128,7 @@ def _leaf_contexts(t: RolloutTree):
   return out
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=S.examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(S.general_tree(max_nodes=12, max_leaves=4), min_size=2, max_size=4),
        st.integers(1, 5))
 def test_merge_prompts_keeps_every_trajectory_and_stores_the_prefix_once(trees, shared):

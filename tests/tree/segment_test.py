@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.strategies import examples
 from tree_rl.tree import segment
 
 
@@ -27,7 +28,7 @@ def _groups(values, ids, mask, g):
 
 # g = 1 takes the one-segment fast path (plain masked row reductions, no scatter); rows of
 # 8 are summed by unrolled adds, rows of 17 by a reduce (segment.UNROLL_ROW_SUM = 16).
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 5]), st.sampled_from([8, 17]))
 def test_reductions_match_numpy(seed, g, x):
   values, ids, mask, g = _case(seed, x=x, g=g)
@@ -50,7 +51,7 @@ def test_reductions_match_numpy(seed, g, x):
     np.testing.assert_allclose(out["min"][b, k], v.min() if n else 7.0, atol=1e-6)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1]), st.sampled_from([1, 5]),
        st.sampled_from([8, 17]))
 def test_zscore_matches_numpy(seed, ddof, g, x):
