@@ -30,37 +30,11 @@ _OUT = flags.DEFINE_string("out", "", "Write the report JSON here.")
 flags.mark_flags_as_required(["model"])
 
 
-def sampled_report(workdir: str, num_samples: int):
-  """The run's latest checkpoint on its held-out tasks, `num_samples` episodes per task
-  sampled as in training (the rollout's temperature, top-p, top-k; the run's seed), with
-  pass@1..num_samples."""
-  from tree_rl.checkpoint import restore_policy
-  from tree_rl.envs import make_family
-  from tree_rl.evaluate import evaluate
-  from tree_rl.rollout.chat import ChatFormat
-  from tree_rl.rollout.engine import SamplingParams
-  from tree_rl.rollout.jax_sampler import JaxSampler
-  from tree_rl.rollout.policy import engine_policy
-
-  policy, tokenizer, cfg = restore_policy(workdir)
-  family = make_family(cfg.task.family, **cfg.task.kwargs)
-  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
-  chat = ChatFormat.from_tokenizer(tokenizer)
-  r = cfg.rollout
-  engine = JaxSampler(policy, rows=r.cache_rows, slots=r.max_context_tokens,
-                      tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
-  params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens)
-  return evaluate(family, tasks, engine_policy(engine, chat, params),
-                  num_samples=num_samples, pass_k=tuple(range(1, num_samples + 1)),
-                  max_turns=r.max_turns or None, encode=chat.encode)
-
-
 def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  from tree_rl.evaluate import evaluate_policy_folder
+  from tree_rl.evaluate import evaluate_policy_folder, sampled_report
 
   if _SAMPLES.value < 0:
     raise app.UsageError(f"--samples={_SAMPLES.value} must be >= 0")

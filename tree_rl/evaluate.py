@@ -276,7 +276,7 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   from tree_rl.models import hf_io
   from tree_rl.rollout.chat import ChatFormat
   from tree_rl.rollout.engine import SamplingParams
-  from tree_rl.rollout.jax_sampler import JaxSampler
+  from tree_rl.rollout.engines import EngineSpec, make_engine
   from tree_rl.rollout.policy import engine_policy
 
   path = pathlib.Path(model)
@@ -300,8 +300,33 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   family = make_family(task or "toolworld", **family_kwargs)
   tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
   chat = ChatFormat.from_tokenizer(tokenizer)
-  engine = JaxSampler(policy, rows=rows or 16, slots=max_context_tokens, tokenizer=tokenizer,
-                      eos_ids=chat.eos_ids)
+  engine = make_engine(EngineSpec(rows=rows or 16, slots=max_context_tokens), policy, tokenizer,
+                       chat.eos_ids)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or 160)
   return evaluate(family, tasks, engine_policy(engine, chat, greedy), max_turns=max_turns,
                   encode=chat.encode)
+
+
+def sampled_report(workdir: str, num_samples: int) -> EvalReport:
+  """A run directory's latest checkpoint on its held-out tasks, `num_samples` episodes per
+  task sampled as in training (the rollout's temperature, top-p, top-k; the run's seed;
+  the embedded JaxSampler), with pass@1..num_samples."""
+  from tree_rl.checkpoint import restore_policy
+  from tree_rl.envs import make_family
+  from tree_rl.rollout.chat import ChatFormat
+  from tree_rl.rollout.engine import SamplingParams
+  from tree_rl.rollout.engines import EngineSpec, make_engine
+  from tree_rl.rollout.policy import engine_policy
+
+  policy, tokenizer, cfg = restore_policy(workdir)
+  family = make_family(cfg.task.family, **cfg.task.kwargs)
+  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
+  chat = ChatFormat.from_tokenizer(tokenizer)
+  r = cfg.rollout
+  engine = make_engine(EngineSpec(rows=r.cache_rows, slots=r.max_context_tokens, seed=cfg.seed),
+                       policy, tokenizer, chat.eos_ids)
+  params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=r.max_new_tokens)
+  return evaluate(family, tasks, engine_policy(engine, chat, params),
+                  num_samples=num_samples, pass_k=tuple(range(1, num_samples + 1)),
+                  max_turns=r.max_turns or None, encode=chat.encode)

@@ -10,7 +10,7 @@ import types
 import pytest
 from flax import nnx
 
-from tree_rl.rollout import session
+from tree_rl.rollout import engines
 from tree_rl.config_types import RunConfig
 from tree_rl.models import Decoder, ModelConfig
 from tree_rl.rollout.chat import ChatFormat
@@ -80,8 +80,9 @@ def test_trainer_builds_the_engine_with_the_configured_share(sent, monkeypatch, 
                                                     generator_memory_fraction=0.35)})
   model = Decoder(ModelConfig.tiny(vocab_size=256, num_hidden_layers=1), rngs=nnx.Rngs(0))
   tokenizer = types.SimpleNamespace(name_or_path="tok")
-  engine = session.vllm_engine(cfg, model, tokenizer, _Chat(tokenizer, "<|im_end|>"), tmp_path,
-                               sys.executable)
+  engine = engines.make_engine(engines.EngineSpec.from_run(cfg, sys.executable), model,
+                               tokenizer, _Chat(tokenizer, "<|im_end|>").eos_ids,
+                               folder=tmp_path / "vllm_policy")
   assert isinstance(engine, vllm_engine.VLLMEngine)
   assert sent["config"]["gpu_memory_utilization"] == 0.35
   assert sent["config"]["max_model_len"] == min(1024, model.config.max_position_embeddings)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -49,9 +48,9 @@ from flax import nnx
 
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop, RolloutStats
 from tree_rl.rollout.dynamic_sampling import _weighted
+from tree_rl.rollout.engines import ENGINES, EngineSpec, make_engine
 
 BACKENDS = ("local", "ray")
-ENGINES = ("jax", "vllm")
 PREFIX = "rollout/fleet/"
 # Strategies whose trees are a function of (step key, task, occurrence) alone: the flat
 # group seeds every request from (task, occurrence, branch, turn).
@@ -95,10 +94,6 @@ def check_fleet(backend: str, num_workers: int, strategy: str, engine: str = "ja
                      f"worker with a judge")
 
 
-# What WorkerSpec sets on a VLLMEngine itself (vllm_kwargs may not override them).
-_VLLM_OWN = ("python", "max_model_len", "dtype", "seed", "eos_ids", "gpu_memory_utilization")
-
-
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
   """What a worker builds its engine and AgentLoop from (picklable, sent to Ray actors).
@@ -137,16 +132,14 @@ class WorkerSpec:
   vllm_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
-    if self.engine not in ENGINES:
-      raise ValueError(f"WorkerSpec.engine={self.engine!r} must be one of {ENGINES}")
-    clash = sorted(set(self.vllm_kwargs) & set(_VLLM_OWN))
-    if clash:
-      raise ValueError(f"WorkerSpec.vllm_kwargs sets {clash}, which the spec sets itself "
-                       f"(vllm_python, slots, dtype, seed, the chat's eos ids, "
-                       f"gpu_memory_utilization)")
-    if self.engine == "jax" and self.vllm_kwargs:
-      raise ValueError(f"WorkerSpec.vllm_kwargs={dict(self.vllm_kwargs)} with engine='jax': "
-                       f"only a vLLM worker reads them")
+    self.engine_spec()  # checks the engine settings
+
+  def engine_spec(self) -> EngineSpec:
+    """The worker's engine, as `engines.make_engine` builds it."""
+    return EngineSpec(kind=self.engine, rows=self.rows, slots=self.slots, seed=self.seed,
+                      vllm_python=self.vllm_python, dtype=self.dtype,
+                      gpu_memory_utilization=self.gpu_memory_utilization,
+                      vllm_kwargs=self.vllm_kwargs)
 
   def build(self, model: nnx.Module) -> AgentLoop:
     """An AgentLoop over a new engine serving `model` (as policy version 0)."""
@@ -159,42 +152,10 @@ class WorkerSpec:
 
     tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    if self.engine == "vllm":
-      engine = self._vllm_engine(model, chat.eos_ids)
-    else:
-      from tree_rl.rollout.jax_sampler import JaxSampler  # noqa: PLC0415
-
-      engine = JaxSampler(model, rows=self.rows, slots=self.slots, tokenizer=tokenizer,
-                          eos_ids=chat.eos_ids, seed=self.seed)
+    engine = make_engine(self.engine_spec(), model, tokenizer, chat.eos_ids)
     return AgentLoop(VersionedEngine(engine), chat,
                      make_family(self.family, **dict(self.family_kwargs)), self.agent,
                      make_strategy(self.strategy, **dict(self.strategy_kwargs)))
-
-  def _vllm_engine(self, model: nnx.Module, eos_ids: Sequence[int]):
-    """A VLLMEngine serving `model`: written as an HF folder of this worker's own (so a Ray
-    worker on another node needs no shared disk), removed when the engine goes."""
-    import shutil  # noqa: PLC0415
-    import tempfile  # noqa: PLC0415
-    import weakref  # noqa: PLC0415
-
-    from tree_rl.models import hf_io  # noqa: PLC0415
-    from tree_rl.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
-
-    tmp = tempfile.mkdtemp(prefix="tree_rl_fleet_vllm_")
-    try:
-      folder = hf_io.save_hf(model, os.path.join(tmp, "policy"), tokenizer_from=self.tokenizer)
-      # vLLM refuses a window past the model's trained positions; longer requests end with
-      # finish reason "context", as they would at max_context_tokens.
-      window = min(self.slots, model.config.max_position_embeddings)
-      engine = VLLMEngine(folder, python=self.vllm_python or None, max_model_len=window,
-                          dtype=self.dtype, seed=self.seed, eos_ids=eos_ids,
-                          gpu_memory_utilization=self.gpu_memory_utilization,
-                          **dict(self.vllm_kwargs))
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)
-      raise
-    weakref.finalize(engine, shutil.rmtree, tmp, True)
-    return engine
 
 
 class Worker:

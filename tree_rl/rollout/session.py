@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from absl import logging
 from flax import nnx
 
 from tree_rl import metrics as metrics_lib
@@ -26,8 +25,8 @@ from tree_rl.models import Decoder
 from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop
 from tree_rl.rollout.chat import ChatFormat
 from tree_rl.rollout.engine import SamplingParams
+from tree_rl.rollout.engines import EngineSpec, make_engine
 from tree_rl.rollout.fleet import run_fleet
-from tree_rl.rollout.jax_sampler import JaxSampler
 from tree_rl.rollout.pipeline import VersionedEngine
 from tree_rl.rollout.policy import engine_policy
 from tree_rl.rollout.strategies.base import RunContext, strategy_for_run
@@ -61,27 +60,6 @@ def check_vllm(cfg: RunConfig) -> str | None:
   return python
 
 
-def vllm_engine(cfg: RunConfig, model: Decoder, tokenizer, chat: ChatFormat,
-                workdir: pathlib.Path, python: str):
-  """A vLLM worker serving the current policy: the policy is written once as an HF folder
-  (LoRA merged) that vLLM loads, and is pushed in place after every update."""
-  from tree_rl.models import hf_io  # noqa: PLC0415
-  from tree_rl.rollout.vllm_engine import VLLMEngine  # noqa: PLC0415
-
-  folder = hf_io.save_hf(model, workdir / "vllm_policy", tokenizer_from=tokenizer.name_or_path)
-  r = cfg.rollout
-  # vLLM refuses a window past the model's trained positions; requests that outgrow
-  # it end with finish reason "context", as they would at max_context_tokens.
-  window = min(r.max_context_tokens, model.config.max_position_embeddings)
-  if window < r.max_context_tokens:
-    logging.warning("vLLM context window %d (the model's max_position_embeddings), below "
-                    "rollout.max_context_tokens=%d", window, r.max_context_tokens)
-  return VLLMEngine(folder, python=python, max_model_len=window,
-                    dtype=cfg.model.dtype, seed=cfg.seed, eos_ids=chat.eos_ids,
-                    gpu_memory_utilization=r.generator_memory_fraction,
-                    log_file=str(workdir / "vllm_worker.log"))
-
-
 class Rollout:
   """The run's samplers, strategy and agent loop, kept on the learner's policy.
 
@@ -109,11 +87,13 @@ class Rollout:
     # The samplers' first weights: their own copy with S > 0, where the producer still
     # samples from them while the first update donates the state's buffers.
     first = rollout_model(owned(state.model()) if r.max_staleness else state.model())
-    if r.engine == "vllm":
-      self.sampler = vllm_engine(cfg, state.model(), tokenizer, chat, workdir, vllm_python)
+    if r.engine == "vllm":  # the policy is written once as an HF folder that vLLM loads,
+      # and is pushed in place after every update
+      self.sampler = make_engine(
+          EngineSpec.from_run(cfg, vllm_python, log_file=str(workdir / "vllm_worker.log")),
+          state.model(), tokenizer, chat.eos_ids, folder=workdir / "vllm_policy")
     else:
-      self.sampler = JaxSampler(first, rows=r.cache_rows, slots=r.max_context_tokens,
-                                tokenizer=tokenizer, eos_ids=chat.eos_ids, seed=cfg.seed)
+      self.sampler = make_engine(EngineSpec.from_run(cfg), first, tokenizer, chat.eos_ids)
     self.engine = VersionedEngine(self.sampler)
     # A model whose variables `sync` updates in place: the branch scorer's policy.
     self.policy_model = state.model()
