@@ -231,6 +231,21 @@ def test_strategy_options_fail_when_the_config_is_read(name, kwargs, message):
     RunConfig.from_config_dict(c)
 
 
+@pytest.mark.parametrize("family, kwargs, message", [
+    ("toolworld", {"tools": 3}, r"task.kwargs: unknown option\(s\) \['tools'\] for task family "
+     r"'toolworld'; valid: \[.*'tools_per_task'"),
+    ("math", {"sandbox_limit": {}}, r"\['sandbox_limit'\] for task family 'math'"),
+    ("search_qa", {"hops": (2,), "seed": 1}, r"\['seed'\] for task family 'search_qa'"),
+])
+def test_task_options_fail_when_the_config_is_read(family, kwargs, message):
+  c = common.base_config()
+  c.task.family, c.task.kwargs = family, kwargs
+  with pytest.raises(ValueError, match=message):
+    RunConfig.from_config_dict(c)
+  c.task.kwargs = {"tool_latency_s": 0.5}  # every family's own option
+  assert RunConfig.from_config_dict(c).task.kwargs == {"tool_latency_s": 0.5}
+
+
 def test_per_minibatch_branching_is_one_rule_checked_with_the_config():
   # The trainer branches each PPO mini-batch exactly when the config says so
   # (RunConfig.branches_per_minibatch), which is what the strategy it builds does; what

@@ -19,9 +19,10 @@ from tree_rl.algos import registry
 from tree_rl.algos.awpo import AWPOConfig
 from tree_rl.algos.grpo import PAPER_MAX_RESPONSE_TOKENS
 from tree_rl.algos.losses import LossConfig
-from tree_rl.envs import FAMILIES, check_family_options, make_family
+from tree_rl.envs import FAMILIES, check_family_kwargs, check_family_options, make_family
 from tree_rl.rewards.judge import MAX_REPLY_BYTES, JudgeConfig
 from tree_rl.rewards.reasoning import JUDGE_KINDS
+from tree_rl.rollout.engines import ENGINES
 from tree_rl.rollout.fleet import check_fleet
 from tree_rl.rollout.pipeline import check_async
 from tree_rl.rollout.strategies import STRATEGIES
@@ -31,7 +32,6 @@ from tree_rl.rollout.strategies.base import (GENERIC_FIELDS, check_generic_field
 from tree_rl.rollout.strategies.trace import check_predictor
 
 MODELS = ("smollm2", "tiny", "hf")
-ENGINES = ("jax", "vllm")
 # The share of one GPU's memory the learner and the vLLM generator may take together: the
 # rest holds the two processes' CUDA contexts (~0.5 GiB each) and allocations outside
 # either pool (cuBLAS workspaces, NCCL).
@@ -152,6 +152,7 @@ class TaskSpec:
       raise ValueError(f"config.task.eval_seed={self.eval_seed} must be >= 0, or -1 for "
                        f"config.task.seed")
     _positive("task", num_train_tasks=self.num_train_tasks, num_eval_tasks=self.num_eval_tasks)
+    check_family_kwargs(self.family, self.kwargs)
     check_family_options(**{k: v for k, v in self.kwargs.items()  # every family's options
                             if k in ("tool_latency_s", "max_tool_output_tokens")})
 

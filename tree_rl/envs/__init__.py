@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tree_rl.envs.base import (DEFAULT_MAX_TOOL_OUTPUT_TOKENS, Message, Outcome, ParsedStep,
@@ -99,6 +100,21 @@ def check_family_options(tool_latency_s: Any = 0.0,
                      f"be a finite number of seconds >= 0")
   check_max_tool_output_tokens(max_tool_output_tokens,
                                "max_tool_output_tokens (task.kwargs.max_tool_output_tokens)")
+
+
+def check_family_kwargs(name: str, kwargs: Mapping[str, Any]) -> None:
+  """Fails naming each option of `kwargs` (config.task.kwargs) that family `name` does not
+  take, read from its constructor's signature without building it (a family may load data)."""
+  module, cls = FAMILIES[name]
+  params = inspect.signature(getattr(importlib.import_module(module), cls)).parameters
+  if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    return
+  valid = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  valid |= {"tool_latency_s", "max_tool_output_tokens"}  # every family's (`make_family`)
+  unknown = sorted(set(kwargs) - valid)
+  if unknown:
+    raise ValueError(f"config.task.kwargs: unknown option(s) {unknown} for task family "
+                     f"{name!r}; valid: {sorted(valid)}")
 
 
 def make_family(name: str, tool_latency_s: Any = 0.0,

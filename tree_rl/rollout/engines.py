@@ -18,7 +18,7 @@ from typing import Any
 
 from absl import logging
 
-from tree_rl.config_types import ENGINES
+ENGINES = ("jax", "vllm")
 # What an EngineSpec sets on a VLLMEngine itself (its vllm_kwargs may not override them).
 VLLM_OWN = ("python", "max_model_len", "dtype", "seed", "eos_ids", "gpu_memory_utilization")
 
