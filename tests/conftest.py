@@ -19,6 +19,19 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+# Compiled programs persist between test runs (and between the xdist workers of one), so a
+# rerun of the suite compiles only what changed: about half the fast tier's time is XLA
+# compiling. The folder holds at most 2 GB (least recently used first out);
+# TREE_RL_TEST_JAX_CACHE names another, "" turns it off. Processes the tests launch
+# compile on their own (nothing of a killed child can reach the cache).
+_CACHE = os.environ.get("TREE_RL_TEST_JAX_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_test_cache"))
+if _CACHE:
+  jax.config.update("jax_compilation_cache_dir", _CACHE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  jax.config.update("jax_compilation_cache_max_size", 2 << 30)
+
 # jaxtyping + beartype check every annotated shape in tree_rl during tests
 # (off in training, where the hook is not installed).
 from jaxtyping import install_import_hook  # noqa: E402
