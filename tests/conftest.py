@@ -22,9 +22,10 @@ import pytest  # noqa: E402
 # Compiled programs persist between test runs (and between the xdist workers of one), so a
 # rerun of the suite compiles only what changed: about half the fast tier's time is XLA
 # compiling. The folder holds at most 2 GB (least recently used first out);
-# TREE_RL_TEST_JAX_CACHE names another, "" turns it off. Processes the tests launch
-# compile on their own (nothing of a killed child can reach the cache).
-_CACHE = os.environ.get("TREE_RL_TEST_JAX_CACHE",
+# TREE_RL_TEST_JAX_CACHE names another, "" turns it off. CI (CI=true) starts from a fresh
+# clone with nothing to reuse, so it leaves it off. Processes the tests launch compile on
+# their own (nothing of a killed child can reach the cache).
+_CACHE = os.environ.get("TREE_RL_TEST_JAX_CACHE", "" if os.environ.get("CI") == "true" else
                         os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_test_cache"))
 if _CACHE:
   jax.config.update("jax_compilation_cache_dir", _CACHE)
