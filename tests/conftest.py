@@ -6,11 +6,13 @@ Both must happen before JAX and tree_rl are imported.
 import os
 import shutil
 
-# The tests compile thousands of small programs and run most of them once or twice: on a
-# CPU, LLVM's optimisation passes cost more than they save there (-22% wall time on the
-# compile-heavy files; the suite passes at either level). Training keeps XLA's default;
-# TREE_RL_TEST_XLA_OPT=2 gives it to the tests too. A machine with a GPU keeps it as well.
-_OPT = os.environ.get("TREE_RL_TEST_XLA_OPT", "" if shutil.which("nvidia-smi") else "0")
+# The fast tier's tests compile thousands of small programs and run most of them once or
+# twice: on a CPU, LLVM's optimisation passes cost more than they save there (-22% wall
+# time on the compile-heavy files). Training keeps XLA's default level, and so do CI
+# (CI=true), whose end-to-end runs execute long programs, and a machine with a GPU;
+# TREE_RL_TEST_XLA_OPT=<level> sets it.
+_DEFAULT_LEVEL = os.environ.get("CI") == "true" or shutil.which("nvidia-smi")
+_OPT = os.environ.get("TREE_RL_TEST_XLA_OPT", "" if _DEFAULT_LEVEL else "0")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     + (f" --xla_backend_optimization_level={_OPT}" if _OPT else "")

@@ -129,7 +129,10 @@ class Placement:
       if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, s)  # already global: a reshard (a no-op when in place)
       host = np.asarray(x)  # this process's full copy
-      return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+      # The explicit placement, which JAX's transfer guard counts as implicit (the trainer
+      # runs its updates under one, `rl_step.ShapeFitter.wrap`).
+      with jax.transfer_guard_host_to_device("allow"):
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
 
     leaves, treedef = jax.tree.flatten(tree)
     if isinstance(shardings, jax.sharding.Sharding):

@@ -96,13 +96,16 @@ class ShapeFitter:
     `tree.batch.Packed`: run on the graph fitted to the packed bound, with the batch's
     widths widened, its metrics read back to the host, where the attention backstop the
     step returned (`OVERFLOW_METRIC`, popped from the metrics) raises if the bound was too
-    small. The step runs under `jax.transfer_guard("disallow")`: every transfer in it is
-    explicit (`jax.device_put` of the batch, `jax.device_get` of the metrics), so a stray
-    host array or Python scalar that would copy on every step fails at once."""
+    small. The step runs with JAX's transfer guard disallowing implicit transfers between
+    host and device: the batch goes to the device and the metrics come back explicitly
+    (`jax.device_put`, `jax.device_get`), so a stray host array or Python scalar that would
+    be copied on every step fails at once. Copies between devices stay allowed: a sharded
+    step replicates its small arguments (the key) over the mesh."""
 
     def run(state, packed: Packed, *args):
       batch = self.widen(packed.batch)
-      with jax.transfer_guard("disallow"):
+      with jax.transfer_guard_host_to_device("disallow"), \
+          jax.transfer_guard_device_to_host("disallow"):
         state, metrics = step(self(state, batch, packed.kv_blocks), batch, *args)
         metrics = jax.device_get(metrics)
       pairs = int(metrics.pop(OVERFLOW_METRIC))
