@@ -231,8 +231,8 @@ def _rss_mb() -> float:
 
 
 # A second 2-step run of `configs/grpo.py:runlocal` after a first one, in one process on 8
-# fake CPU devices, grew its RSS by 34-45 MB with `train.release_memory` and by 72-91 MB
-# without it (its compiled programs and the heap glibc kept); measured on a 2-core CPU.
+# fake CPU devices, grew its RSS by 24-41 MB with `train.release_memory` (gc, malloc_trim)
+# and by 72-91 MB without it; measured on a 2-core CPU.
 SECOND_RUN_GROWTH_MB = 80
 
 
