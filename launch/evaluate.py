@@ -34,24 +34,20 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)
-  from tree_rl.evaluate import evaluate_policy_folder, sampled_report
+  import jax
 
+  from tree_rl.evaluate import evaluate_policy_folder
+
+  jax.config.update("jax_default_matmul_precision", "highest")  # as in training
   if _SAMPLES.value < 0:
     raise app.UsageError(f"--samples={_SAMPLES.value} must be >= 0")
-  if _SAMPLES.value:
-    import jax
-
-    jax.config.update("jax_default_matmul_precision", "highest")  # as in training
-    given = [f"--{f.name}" for f in (_TASK, _NUM, _SEED, _MAX_NEW, _TURNS)
-             if f.value is not None]
-    if given:
-      raise app.UsageError(f"--samples evaluates the run on its own tasks and settings; "
-                           f"drop {', '.join(given)}")
-    report = sampled_report(_MODEL.value, _SAMPLES.value)
-  else:
-    report = evaluate_policy_folder(_MODEL.value, task=_TASK.value, num_tasks=_NUM.value,
-                                    seed=_SEED.value, max_new_tokens=_MAX_NEW.value,
-                                    max_turns=_TURNS.value)
+  given = [f"--{f.name}" for f in (_TASK, _NUM, _SEED, _MAX_NEW, _TURNS) if f.value is not None]
+  if _SAMPLES.value and given:
+    raise app.UsageError(f"--samples evaluates the run on its own tasks and settings; "
+                         f"drop {', '.join(given)}")
+  report = evaluate_policy_folder(_MODEL.value, task=_TASK.value, num_tasks=_NUM.value,
+                                  seed=_SEED.value, max_new_tokens=_MAX_NEW.value,
+                                  max_turns=_TURNS.value, num_samples=_SAMPLES.value)
   print(report.table())
   if _OUT.value:
     report.to_json(_OUT.value)

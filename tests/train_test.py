@@ -420,6 +420,14 @@ def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):
                              rows=4, max_turns=2)
   for k in ("accuracy", "mean_reward", "avg_formatting_raw"):
     assert a.metrics[k] == pytest.approx(b.metrics[k]), k
+  # launch/evaluate.py --samples: K episodes per held-out task at the run's rollout settings.
+  s = evaluate_policy_folder(str(run), num_samples=2)
+  assert len(s.episodes) == 2 * len({e.task_id for e in a.episodes})
+  assert 0 <= s.metrics["pass@1"] <= s.metrics["pass@2"] <= 1
+  with pytest.raises(ValueError, match="must be a run directory"):
+    evaluate_policy_folder(str(out), num_samples=2)
+  with pytest.raises(ValueError, match=r"drop \['num_tasks'\]"):
+    evaluate_policy_folder(str(run), num_samples=2, num_tasks=1)
 
 
 @pytest.mark.e2e

@@ -261,11 +261,17 @@ def replay_oracle_policy(tasks: Sequence[Task]) -> Policy:
 def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: int | None = None,
                            seed: int | None = None, max_new_tokens: int | None = None,
                            max_context_tokens: int = 4096, rows: int | None = None,
-                           max_turns: int | None = None) -> EvalReport:
-  """Greedy evaluation of a run directory's latest checkpoint or of an HF folder.
+                           max_turns: int | None = None, num_samples: int = 0) -> EvalReport:
+  """Evaluation of a run directory's latest checkpoint or of an HF folder on held-out tasks,
+  with the embedded JaxSampler.
 
-  Run directories default to their own task family, held-out size, seed and step
-  length, so the numbers match the trainer's own evaluation of that checkpoint.
+  Run directories default to their own task family, held-out size, seed, step length and
+  turns, so the numbers match the trainer's own evaluation of that checkpoint.
+
+  Args:
+    num_samples: 0 decodes greedily, one episode per task. K > 0 (a run directory, on its
+      own tasks and settings) samples K episodes per task as the run's rollouts are (its
+      temperature, top-p, top-k and seed), and the report has pass@1..K.
   """
   import pathlib
 
@@ -280,9 +286,21 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   from tree_rl.rollout.policy import engine_policy
 
   path = pathlib.Path(model)
-  family_kwargs = {}
+  family_kwargs, engine_seed, params = {}, 0, None
   if (path / "checkpoints").is_dir():
     policy, tokenizer, cfg = restore_policy(model)
+    if num_samples:
+      given = {name: value for name, value in [
+          ("task", task), ("num_tasks", num_tasks), ("seed", seed),
+          ("max_new_tokens", max_new_tokens), ("max_turns", max_turns)]
+          if value is not None}
+      if given:
+        raise ValueError(f"num_samples={num_samples} evaluates the run on its own tasks and "
+                         f"settings; drop {sorted(given)}")
+      r = cfg.rollout
+      params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens)
+      engine_seed = cfg.seed
     task = task or cfg.task.family
     family_kwargs = dict(cfg.task.kwargs) if task == cfg.task.family else {}
     num_tasks = num_tasks or cfg.task.num_eval_tasks
@@ -291,42 +309,23 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     max_context_tokens = cfg.rollout.max_context_tokens
     max_turns = max_turns or cfg.rollout.max_turns or None
     rows = rows or cfg.rollout.cache_rows
+  elif num_samples:
+    raise ValueError(f"num_samples={num_samples} samples at a run's rollout settings: "
+                     f"--model={model} must be a run directory (checkpoints/)")
   elif (path / "config.json").is_file():
     policy = hf_io.load_hf(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
   else:
     raise FileNotFoundError(f"--model={model} is neither a run directory (checkpoints/) nor an "
                             f"HF folder (config.json)")
+  if num_samples < 0:
+    raise ValueError(f"num_samples={num_samples} must be >= 0")
   family = make_family(task or "toolworld", **family_kwargs)
   tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
   chat = ChatFormat.from_tokenizer(tokenizer)
-  engine = make_engine(EngineSpec(rows=rows or 16, slots=max_context_tokens), policy, tokenizer,
-                       chat.eos_ids)
-  greedy = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or 160)
-  return evaluate(family, tasks, engine_policy(engine, chat, greedy), max_turns=max_turns,
-                  encode=chat.encode)
-
-
-def sampled_report(workdir: str, num_samples: int) -> EvalReport:
-  """A run directory's latest checkpoint on its held-out tasks, `num_samples` episodes per
-  task sampled as in training (the rollout's temperature, top-p, top-k; the run's seed;
-  the embedded JaxSampler), with pass@1..num_samples."""
-  from tree_rl.checkpoint import restore_policy
-  from tree_rl.envs import make_family
-  from tree_rl.rollout.chat import ChatFormat
-  from tree_rl.rollout.engine import SamplingParams
-  from tree_rl.rollout.engines import EngineSpec, make_engine
-  from tree_rl.rollout.policy import engine_policy
-
-  policy, tokenizer, cfg = restore_policy(workdir)
-  family = make_family(cfg.task.family, **cfg.task.kwargs)
-  tasks = family.generate("eval", cfg.task.num_eval_tasks, cfg.task.eval_task_seed)
-  chat = ChatFormat.from_tokenizer(tokenizer)
-  r = cfg.rollout
-  engine = make_engine(EngineSpec(rows=r.cache_rows, slots=r.max_context_tokens, seed=cfg.seed),
+  engine = make_engine(EngineSpec(rows=rows or 16, slots=max_context_tokens, seed=engine_seed),
                        policy, tokenizer, chat.eos_ids)
-  params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=r.max_new_tokens)
-  return evaluate(family, tasks, engine_policy(engine, chat, params),
-                  num_samples=num_samples, pass_k=tuple(range(1, num_samples + 1)),
-                  max_turns=r.max_turns or None, encode=chat.encode)
+  params = params or SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens or 160)
+  k = max(num_samples, 1)
+  return evaluate(family, tasks, engine_policy(engine, chat, params), num_samples=k,
+                  pass_k=tuple(range(1, k + 1)), max_turns=max_turns, encode=chat.encode)

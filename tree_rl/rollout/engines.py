@@ -1,9 +1,9 @@
 """The one place a sampling engine is built (`make_engine`).
 
 The trainer's `session.Rollout`, each fleet worker (`fleet.WorkerSpec.build`) and the
-held-out evaluations (`evaluate.evaluate_policy_folder`, `evaluate.sampled_report`) all
-build their engine from an `EngineSpec`: the embedded `JaxSampler`, or a vLLM worker
-process (`VLLMEngine`) that loads the policy from an HF folder written here.
+held-out evaluation (`evaluate.evaluate_policy_folder`) all build their engine from an
+`EngineSpec`: the embedded `JaxSampler`, or a vLLM worker process (`VLLMEngine`) that
+loads the policy from an HF folder written here.
 """
 
 from __future__ import annotations
