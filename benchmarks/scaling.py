@@ -70,6 +70,7 @@ from tree_rl.rollout import fleet as fleet_lib  # noqa: E402
 from tree_rl.rollout.agent_loop import AgentConfig  # noqa: E402
 from tree_rl.rollout.chat import ChatFormat  # noqa: E402
 from tree_rl.rollout.engine import SamplingParams  # noqa: E402
+from tree_rl.rollout.engines import EngineSpec  # noqa: E402
 
 FAMILY = "search_qa"
 # What the scripted policy writes every turn (no newlines: the chat header ends in one, and
@@ -211,7 +212,7 @@ def _spec(folder: str, args, latency: float) -> fleet_lib.WorkerSpec:
       strategy="flat", strategy_kwargs={"n": args.samples},
       agent=AgentConfig(samples_per_task=args.samples, max_turns=args.turns,
                         max_context_tokens=2048, sampling=SamplingParams(max_new_tokens=MAX_NEW)),
-      rows=args.tasks * args.samples, slots=2048)
+      engine=EngineSpec(rows=args.tasks * args.samples, slots=2048))
 
 
 def _trees_per_second(fleet, model, tasks, reps: int) -> tuple[float, float, int]:

@@ -16,6 +16,7 @@ from tree_rl.rollout import fleet as fleet_lib
 from tree_rl.rollout.agent_loop import AgentConfig, RolloutStats
 from tree_rl.rollout.dynamic_sampling import rollout_step
 from tree_rl.rollout.engine import SamplingParams
+from tree_rl.rollout.engines import EngineSpec
 from tree_rl.tree.types import NodeKind
 
 FAMILY = "search_qa"
@@ -32,7 +33,7 @@ def spec_and_model():
       tokenizer=tokenizer, family=FAMILY, strategy="flat", strategy_kwargs={"n": 2},
       agent=AgentConfig(samples_per_task=2, max_turns=2, max_context_tokens=512,
                         sampling=SamplingParams(max_new_tokens=8)),
-      rows=8, slots=512)
+      engine=EngineSpec(rows=8, slots=512))
   return spec, model
 
 

@@ -24,6 +24,7 @@ from tree_rl.models import Decoder, ModelConfig, gguf_import
 from tree_rl.rollout import fleet as fleet_lib
 from tree_rl.rollout.agent_loop import AgentConfig
 from tree_rl.rollout.engine import SamplingParams
+from tree_rl.rollout.engines import EngineSpec
 from tree_rl.tree.types import NodeKind
 from tests.rollout import reference
 from tests.vllm_support import vllm_python_or_skip
@@ -51,10 +52,10 @@ def _spec(python):
       strategy_kwargs={"n": 2},
       agent=AgentConfig(samples_per_task=2, max_turns=2, max_context_tokens=MAX_CONTEXT,
                         sampling=SamplingParams(max_new_tokens=8)),
-      slots=MAX_CONTEXT, engine="vllm", vllm_python=python,
       # One core each on a 2-core machine; the smallest KV cache and block size vLLM's CPU
       # backend takes.
-      vllm_kwargs={"kv_cache_gb": 0.25, "block_size": 32, "cpu_threads": 1})
+      engine=EngineSpec(kind="vllm", slots=MAX_CONTEXT, vllm_python=python,
+                        vllm_kwargs={"kv_cache_gb": 0.25, "block_size": 32, "cpu_threads": 1}))
 
 
 def _tasks(n=4):
@@ -126,8 +127,8 @@ def test_a_ray_vllm_worker_with_the_in_place_fallback():
   old, new = _lively(0), _lively(1)
   tasks = _tasks(2)
   spec = _spec(python)
-  spec = dataclasses.replace(spec, vllm_kwargs={**spec.vllm_kwargs,
-                                                "weight_transfer": "in_place"})
+  spec = dataclasses.replace(spec, engine=dataclasses.replace(
+      spec.engine, vllm_kwargs={**spec.engine.vllm_kwargs, "weight_transfer": "in_place"}))
   ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
   try:
     fleet = fleet_lib.make_fleet("ray", spec, old, 1, num_cpus=1.0, num_gpus=0.0)
@@ -151,11 +152,13 @@ def test_a_ray_vllm_worker_with_the_in_place_fallback():
 def test_vllm_worker_settings_are_checked():
   spec = dict(tokenizer="t", family=FAMILY, agent=AgentConfig())
   with pytest.raises(ValueError, match="engine='sglang'"):
-    fleet_lib.WorkerSpec(**spec, engine="sglang")
+    fleet_lib.WorkerSpec(**spec, engine=EngineSpec(kind="sglang"))
   with pytest.raises(ValueError, match="seed"):
-    fleet_lib.WorkerSpec(**spec, engine="vllm", vllm_kwargs={"seed": 3})
+    fleet_lib.WorkerSpec(**spec, engine=EngineSpec(kind="vllm", vllm_kwargs={"seed": 3}))
   with pytest.raises(ValueError, match="only a vLLM worker"):
-    fleet_lib.WorkerSpec(**spec, vllm_kwargs={"kv_cache_gb": 1})
+    fleet_lib.WorkerSpec(**spec, engine=EngineSpec(vllm_kwargs={"kv_cache_gb": 1}))
+  with pytest.raises(TypeError, match="engine='vllm' must be an engines.EngineSpec"):
+    fleet_lib.WorkerSpec(**spec, engine="vllm")
   with pytest.raises(ValueError, match="one GPU"):
     fleet_lib.check_vllm_gpus(2.0, 0.5)
   with pytest.raises(ValueError, match="at most 0.25"):

@@ -103,17 +103,9 @@ class WorkerSpec:
     family, family_kwargs: the task family, as `make_family(family, **family_kwargs)`.
     agent: the AgentLoop's config.
     strategy, strategy_kwargs: `make_strategy(strategy, **strategy_kwargs)`.
-    rows, slots, seed: the JaxSampler's cache rows, slots per row and seed; `slots` is a
-      VLLMEngine's context window too (capped at the model's max_position_embeddings) and
-      `seed` its sampling seed.
-    engine: "jax" (a JaxSampler) or "vllm" (a VLLMEngine in a process of its own).
-    vllm_python: the interpreter that has vLLM ("": `find_vllm_python()` where the worker
-      runs, i.e. $TREE_RL_VLLM_PYTHON there).
-    dtype: vLLM's compute dtype (config.model.dtype).
-    gpu_memory_utilization: the share of its GPU a vLLM worker may take
-      (config.rollout.generator_memory_fraction; nothing on CPU).
-    vllm_kwargs: further VLLMEngine arguments (kv_cache_gb, block_size, logprobs_k,
-      log_file, ...), passed as is.
+    engine: the worker's engine (`engines.make_engine`): a JaxSampler, or a VLLMEngine in a
+      process of its own. A vLLM worker's empty `vllm_python` is `find_vllm_python()` where
+      the worker runs, i.e. $TREE_RL_VLLM_PYTHON there.
   """
 
   tokenizer: str
@@ -122,24 +114,11 @@ class WorkerSpec:
   family_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   strategy: str = "flat"
   strategy_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  rows: int = 16
-  slots: int = 2048
-  seed: int = 0
-  engine: str = "jax"
-  vllm_python: str = ""
-  dtype: str = "float32"
-  gpu_memory_utilization: float = 0.5
-  vllm_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  engine: EngineSpec = dataclasses.field(default_factory=EngineSpec)
 
   def __post_init__(self):
-    self.engine_spec()  # checks the engine settings
-
-  def engine_spec(self) -> EngineSpec:
-    """The worker's engine, as `engines.make_engine` builds it."""
-    return EngineSpec(kind=self.engine, rows=self.rows, slots=self.slots, seed=self.seed,
-                      vllm_python=self.vllm_python, dtype=self.dtype,
-                      gpu_memory_utilization=self.gpu_memory_utilization,
-                      vllm_kwargs=self.vllm_kwargs)
+    if not isinstance(self.engine, EngineSpec):
+      raise TypeError(f"WorkerSpec.engine={self.engine!r} must be an engines.EngineSpec")
 
   def build(self, model: nnx.Module) -> AgentLoop:
     """An AgentLoop over a new engine serving `model` (as policy version 0)."""
@@ -152,7 +131,7 @@ class WorkerSpec:
 
     tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    engine = make_engine(self.engine_spec(), model, tokenizer, chat.eos_ids)
+    engine = make_engine(self.engine, model, tokenizer, chat.eos_ids)
     return AgentLoop(VersionedEngine(engine), chat,
                      make_family(self.family, **dict(self.family_kwargs)), self.agent,
                      make_strategy(self.strategy, **dict(self.strategy_kwargs)))
@@ -642,13 +621,13 @@ def check_vllm_gpus(num_gpus: float, memory_fraction: float) -> None:
 def make_fleet(backend: str, spec: WorkerSpec, model: nnx.Module, num_workers: int = 1,
                **ray_kwargs) -> Fleet:
   """A LocalFleet or a RayFleet (`ray_kwargs`: RayFleet's num_cpus, num_gpus, timeout_s)."""
-  check_fleet(backend, num_workers, spec.strategy, spec.engine)
+  check_fleet(backend, num_workers, spec.strategy, spec.engine.kind)
   if backend == "local":
     if ray_kwargs:
       raise ValueError(f"backend='local' takes no Ray options, got {sorted(ray_kwargs)}")
     return LocalFleet(spec, model, num_workers)
-  if spec.engine == "vllm":
-    check_vllm_gpus(float(ray_kwargs.get("num_gpus", 0.0)), spec.gpu_memory_utilization)
+  if spec.engine.kind == "vllm":
+    check_vllm_gpus(float(ray_kwargs.get("num_gpus", 0.0)), spec.engine.gpu_memory_utilization)
   return RayFleet(spec, model, num_workers, **ray_kwargs)
 
 
@@ -674,10 +653,7 @@ def run_fleet(cfg: Any, model: nnx.Module, tokenizer: Any, agent: AgentConfig,
                      f"config.rollout.engine={r.engine!r}")
   spec = WorkerSpec(tokenizer=tokenizer.name_or_path, family=cfg.task.family,
                     family_kwargs=dict(cfg.task.kwargs), agent=agent, strategy=r.strategy,
-                    strategy_kwargs=kw, rows=r.cache_rows, slots=r.max_context_tokens,
-                    seed=cfg.seed, engine=r.engine, vllm_python=r.vllm_python,
-                    dtype=cfg.model.dtype, gpu_memory_utilization=r.generator_memory_fraction,
-                    vllm_kwargs=dict(vllm_kwargs or {}))
+                    strategy_kwargs=kw, engine=EngineSpec.from_run(cfg, **(vllm_kwargs or {})))
   if r.backend == "local":
     return make_fleet("local", spec, model, r.num_workers)
   if vllm:  # before starting Ray
