@@ -32,20 +32,15 @@ def folder(tmp_path_factory):
 
 
 def test_greedy_continuations_match_transformers(folder):
+  """transformers' greedy continuation of each prompt is ours: with the prompt and that
+  continuation as input (one forward pass for all prompts), our argmax at every position
+  from the prompt's last token on is the continuation's next token, so our greedy decode
+  would emit it token by token."""
   tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
   hf = transformers.AutoModelForCausalLM.from_pretrained(
       folder, local_files_only=True, dtype=torch.float32).eval()
   ours = load_hf(folder)
-  graphdef, state = nnx.split(ours)
-
-  @jax.jit
-  def next_token(state, tokens, length):
-    model = nnx.merge(graphdef, state)
-    valid = jnp.arange(WIDTH)[None, :] < length
-    pos = jnp.broadcast_to(jnp.arange(WIDTH), (1, WIDTH))
-    logits = model(tokens, pos, TreeMask.causal(valid))
-    return jnp.argmax(logits[0, length - 1])
-
+  prompts, wants = [], []
   for prompt in PROMPTS:
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                   add_generation_prompt=True, return_tensors=None)
@@ -53,9 +48,22 @@ def test_greedy_continuations_match_transformers(folder):
     with torch.no_grad():
       want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                          pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
-    got = list(ids)
-    for _ in range(len(want)):
-      buf = np.zeros((1, WIDTH), np.int32)
-      buf[0, :len(got)] = got
-      got.append(int(next_token(state, jnp.asarray(buf), len(got))))
-    assert got[len(ids):] == want, (prompt, tok.decode(got[len(ids):]), tok.decode(want))
+    assert len(ids) + len(want) <= WIDTH
+    prompts.append(ids)
+    wants.append(want)
+  tokens = np.zeros((len(PROMPTS), WIDTH), np.int32)
+  lengths = np.array([len(p) + len(w) for p, w in zip(prompts, wants)])
+  for row, (ids, want) in enumerate(zip(prompts, wants)):
+    tokens[row, :lengths[row]] = ids + want
+  valid = jnp.arange(WIDTH)[None, :] < jnp.asarray(lengths)[:, None]
+  pos = jnp.broadcast_to(jnp.arange(WIDTH), tokens.shape)
+  graphdef, state = nnx.split(ours)
+
+  @jax.jit
+  def greedy(state, tokens):
+    return jnp.argmax(nnx.merge(graphdef, state)(tokens, pos, TreeMask.causal(valid)), -1)
+
+  argmax = np.asarray(greedy(state, jnp.asarray(tokens)))
+  for row, (prompt, ids, want) in enumerate(zip(PROMPTS, prompts, wants)):
+    got = argmax[row, len(ids) - 1:lengths[row] - 1].tolist()
+    assert got == want, (prompt, tok.decode(got), tok.decode(want))

@@ -157,7 +157,7 @@ def test_vllm_worker_settings_are_checked():
     fleet_lib.WorkerSpec(**spec, engine=EngineSpec(kind="vllm", vllm_kwargs={"seed": 3}))
   with pytest.raises(ValueError, match="only a vLLM worker"):
     fleet_lib.WorkerSpec(**spec, engine=EngineSpec(vllm_kwargs={"kv_cache_gb": 1}))
-  with pytest.raises(TypeError, match="engine='vllm' must be an engines.EngineSpec"):
+  with pytest.raises(TypeError, match="EngineSpec"):  # beartype's check in tests, else ours
     fleet_lib.WorkerSpec(**spec, engine="vllm")
   with pytest.raises(ValueError, match="one GPU"):
     fleet_lib.check_vllm_gpus(2.0, 0.5)
