@@ -27,8 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 def _config(eval_every: int):
   c = importlib.import_module("configs.apppo").get_config("steps=2,prompts=1")
-  c.task.num_eval_tasks = 2
-  c.sft.steps = 4
+  c.task.num_eval_tasks = 1
+  c.sft.steps, c.sft.tasks_per_step = 2, 2  # enough for the RL trees to call tools
   c.eval_every_steps = eval_every
   c.keep_checkpoints = 3  # the warm start (step 0) stays for the resumed run
   return c
