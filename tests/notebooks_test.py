@@ -107,9 +107,10 @@ def _listing(folder: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("paper", PAPERS)
 @pytest.mark.e2e
-def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path):
+def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path, jax_cache_env):
   committed = _listing(ROOT / "results")
-  env = {**os.environ, "TREE_RL_NOTEBOOK_SCALE": "smoke", "TREE_RL_RESULTS_DIR": str(tmp_path)}
+  env = {**os.environ, **jax_cache_env, "TREE_RL_NOTEBOOK_SCALE": "smoke",
+         "TREE_RL_RESULTS_DIR": str(tmp_path)}  # its arms' processes share compiled programs
   env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
       "--xla_force_host_platform_device_count=8", "").strip()  # the tests' fake devices
   out = subprocess.run([sys.executable, f"notebooks/{paper}.py"], cwd=ROOT, env=env,
