@@ -285,6 +285,8 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   from tree_rl.rollout.engines import EngineSpec, make_engine
   from tree_rl.rollout.policy import engine_policy
 
+  if num_samples < 0:
+    raise ValueError(f"num_samples={num_samples} must be >= 0")
   path = pathlib.Path(model)
   family_kwargs, engine_seed, params = {}, 0, None
   if (path / "checkpoints").is_dir():
@@ -318,8 +320,6 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   else:
     raise FileNotFoundError(f"--model={model} is neither a run directory (checkpoints/) nor an "
                             f"HF folder (config.json)")
-  if num_samples < 0:
-    raise ValueError(f"num_samples={num_samples} must be >= 0")
   family = make_family(task or "toolworld", **family_kwargs)
   tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
   chat = ChatFormat.from_tokenizer(tokenizer)
