@@ -33,6 +33,9 @@ def parse_arg(arg: str | None, *,
     **defaults: every argument the config takes, with its default (its type is the
       argument's type).
 
+  Returns:
+    A ConfigDict of every argument: its default, the preset's, then `arg`'s value.
+
   Raises:
     ValueError: an unknown argument, a value that does not cast, or an unknown preset,
       each named.
@@ -89,7 +92,8 @@ def apply_common_args(c: ml_collections.ConfigDict, arg: ml_collections.ConfigDi
       preset leaves them as the config set them.
 
   Returns:
-    `c`, changed in place: the preset's fields, then `steps`, then `runlocal`'s shrink.
+    `c`, changed in place: model and task, then the preset's fields, then `steps`, then
+    `runlocal`'s shrink (after which a given `steps` still holds).
   """
   c.model.name = arg.model
   c.task.family = arg.task

@@ -1,9 +1,13 @@
 """Checkpoints of the whole run: train state, RNG, data position and method state.
 
-Resume order (the trainer applies the first that exists):
-  1. a checkpoint in `<workdir>/checkpoints`: the run continues where it stopped;
-  2. `config.resume`: another run's checkpoint directory (its latest step);
-  3. the configured model with a fresh optimizer: the default SmolLM2 package
+Resume order (the trainer applies the first that exists; `tree_rl.resume.restore`):
+  1. a checkpoint in `<workdir>/checkpoints`: the run continues where it stopped (its
+     newest step that verifies);
+  2. SFT progress in `<workdir>/checkpoints_sft`, before the first RL checkpoint: the SFT
+     warm start continues (`tree_rl.phases`);
+  3. `config.resume`: another run's checkpoint directory (its newest step that verifies),
+     read only;
+  4. the configured model with a fresh optimizer: the default SmolLM2 package
      (`config.model.name="smollm2"`), an HF folder's weights
      (`config.model.name="hf"` with `config.model.hf_folder`), or a tiny random
      model for `runlocal` (`"tiny"`).
@@ -277,6 +281,7 @@ class RunCheckpointer:
     state, e.g. TRACE's predictor weights); `restore_extra` reads it back.
 
     Raises:
+      ValueError: step `step` exists already (Orbax does not overwrite a step).
       OSError: the step read back differs from what was just written (the older steps are
         kept; a resume falls back to the newest one that verifies).
     """
@@ -463,8 +468,10 @@ class RunCheckpointer:
     the newest step that verifies; see the class docstring).
 
     Raises:
-      FileNotFoundError: no checkpoint in the directory.
-      ValueError: the checkpoint was written by a different configuration.
+      FileNotFoundError: no checkpoint in the directory (`MissingItemError`: the step holds
+        no train state item).
+      ValueError: the checkpoint was written by a different configuration
+        (`ConfigMismatchError`).
       CheckpointRejectedError: no step verifies (or `step` does not), naming each and why.
     """
     treedef = jax.tree.structure(target)
@@ -480,7 +487,12 @@ class RunCheckpointer:
     return state, meta
 
   def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-    """The JSON metadata saved at `step` (default: the newest step that verifies)."""
+    """The JSON metadata saved at `step` (default: the newest step that verifies).
+
+    Raises:
+      FileNotFoundError: no checkpoint in the directory.
+      CheckpointRejectedError: no step verifies (or `step` does not).
+    """
     self.restored_step, meta = self._load_verified(step, "metadata", lambda s: dict(
         self.manager.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]))
     return meta
@@ -490,8 +502,9 @@ class RunCheckpointer:
     the newest that verifies), in `target`'s structure.
 
     Raises:
-      FileNotFoundError: no checkpoint, or one saved without `extra`.
+      FileNotFoundError: no checkpoint, or one saved without `extra` (`MissingItemError`).
       ValueError: the arrays do not match `target`'s (another configuration).
+      CheckpointRejectedError: the step does not verify (or, without one, no step does).
     """
     def load(s: int) -> Any:
       abstract = self._abstract(s, "extra", target)
@@ -503,6 +516,7 @@ class RunCheckpointer:
                                load)[1]
 
   def close(self) -> None:
+    """Waits for any save in flight, then closes the Orbax manager."""
     self.manager.wait_until_finished()
     self.manager.close()
 
@@ -517,6 +531,7 @@ def restore_policy(workdir: str | pathlib.Path, step: int | None = None
   Raises:
     FileNotFoundError: `workdir` has no config.json, or no checkpoint.
     ValueError: the checkpoint does not match the run's config.
+    CheckpointRejectedError: no step verifies (or `step` does not).
   """
   workdir_path = pathlib.Path(workdir)
   if not (workdir_path / "config.json").is_file():
@@ -557,9 +572,13 @@ def write_run_config(workdir: pathlib.Path, values: dict[str, Any], resuming: bo
                      allow_change: bool = False, write: bool = True) -> None:
   """Writes the run's config to `workdir/config.json` atomically (a temporary file, then a
   rename). When `resuming` the run's own checkpoint, a config that differs from the saved
-  one outside RESUMABLE_FIELDS fails, naming each changed key with its old and new value,
-  unless `allow_change` (keys the saved file lacks, added by a later tree_rl, do not count).
-  `write=False` (processes other than 0) only checks."""
+  one outside RESUMABLE_FIELDS fails, unless `allow_change` (keys the saved file lacks do
+  not count). `write=False` (processes other than 0) only checks.
+
+  Raises:
+    ValueError: resuming without `allow_change`, the config changed (each changed key is
+      named with its old and new value), or the saved config.json is not valid JSON.
+  """
   path = workdir / "config.json"
   text = json.dumps(values, indent=2, default=str, sort_keys=True)
   if resuming and path.exists() and not allow_change:

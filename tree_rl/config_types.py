@@ -298,8 +298,9 @@ _MID_STEP_FORK_STRATEGIES = ("appo", "random")
 
 def _check_awpo_clip(kwargs: Mapping[str, Any], loss_values: Mapping[str, Any],
                      loss: LossConfig) -> None:
-  """AWPO's batch radius (Eq. 29) is the one clip radius of an AWPO run, on both sides of the
-  clip (Eq. 30): a configured radius it would override, or one it never reads, fails here.
+  """AWPO's batch radius (arXiv 2512.19126, Eq. 29) is the one clip radius of an AWPO run, on
+  both sides of the clip (Eq. 30): a configured radius it would override, or one it never
+  reads, fails here.
   docs/methods/awpo.md#settings-awpo-refuses gives the choice and the radius scales."""
   for name in ("clip_eps_low", "clip_eps_high"):
     if name in loss_values:
@@ -327,7 +328,19 @@ def _check_awpo_clip(kwargs: Mapping[str, Any], loss_values: Mapping[str, Any],
 
 @dataclasses.dataclass(frozen=True)
 class AlgoSpec:
-  """Advantages and loss. `estimator` is a registered AdvEstimator name."""
+  """Advantages and loss.
+
+  Attributes:
+    estimator: a registered AdvEstimator name.
+    estimator_kwargs: fields of the estimator's config (`registry.make_config`).
+    loss: fields of `LossConfig`.
+    num_epochs, num_minibatches: PPO epochs over a step's batch, mini-batches per epoch.
+    max_skipped_steps: non-finite updates in a row that stop the run.
+
+  Construction raises ValueError, naming the field, on an unknown estimator or key, or a
+  setting the estimator never reads or overrides (AWPO's clip radii, DAPO's lengths
+  without overlong shaping, the two-term surrogate outside PORTool).
+  """
 
   estimator: str = "grpo"
   estimator_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -358,11 +371,17 @@ class AlgoSpec:
               max_skipped_steps=self.max_skipped_steps)
 
   def loss_config(self) -> LossConfig:
+    """The validated LossConfig of `loss`."""
     return _build(LossConfig, "algo.loss", self.loss)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimSpec:
+  """The optimizer (`policy.make_optimizer`: global-norm clipping at `grad_clip`, then AdamW
+  with `weight_decay` and a linear warm-up of `warmup_steps`). `lr` is RL's; the SFT warm
+  start uses sft.lr with the other fields. Construction raises ValueError on a value that
+  is not finite or out of range, naming the field."""
+
   lr: float = 1e-5
   weight_decay: float = 0.0
   grad_clip: float = 1.0
@@ -395,7 +414,8 @@ class SFTSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ProfileSpec:
-  """XLA trace capture: mode '' (off) or 'xplane', for steps [start_step, start_step + num_steps)."""
+  """XLA trace capture: mode '' (off) or 'xplane', for RL steps
+  [start_step, start_step + num_steps)."""
 
   mode: str = ""
   start_step: int = 1
@@ -464,7 +484,8 @@ class DistributedSpec:
 
 @dataclasses.dataclass(frozen=True)
 class JudgeSpec:
-  """The reasoning judge: AWPO's R_reason of every leaf, in leaf channel "reasoning".
+  """The reasoning judge: AWPO's R_reason (arXiv 2512.19126, §3.2, Eq. 20) of every leaf, in
+  leaf channel "reasoning".
 
   kind: "" (none), "rubric" (offline rules against the task's oracle trajectory,
   `tree_rl.rewards.rubric`) or "llm" (`LLMJudge` at an OpenAI-compatible `base_url`
@@ -512,6 +533,15 @@ class JudgeSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
+  """The whole run's validated configuration: one spec per section (`SECTIONS`) and the
+  run-level fields below (their comments say what each means).
+
+  Built by `from_config_dict`; `__post_init__` checks what spans sections (AWPO's judge,
+  the strategy's generic fields and options, the fleet, asynchronous rollouts, APPO's
+  per-minibatch branching) and builds the estimator's config once; it raises ValueError,
+  naming the fields, on a value out of range or a combination the run cannot honour.
+  """
+
   model: ModelSpec
   task: TaskSpec
   rollout: RolloutSpec
@@ -542,7 +572,7 @@ class RunConfig:
     _positive("", prompts_per_step=self.prompts_per_step,
               ckpt_every_steps=self.ckpt_every_steps, keep_checkpoints=self.keep_checkpoints)
     if self.algo.estimator == "awpo" and not self.judge.kind:
-      # No silent default: the judge is half of AWPO's reward (eq. 20).
+      # No silent default: the judge is half of AWPO's reward (arXiv 2512.19126, Eq. 20).
       raise ValueError(
           "config.algo.estimator='awpo' needs a reasoning judge for R_reason: set "
           "config.judge.kind='rubric' (offline, graded against the task's oracle) or 'llm' "
@@ -563,8 +593,9 @@ class RunConfig:
 
   def branches_per_minibatch(self) -> bool:
     """Whether each PPO mini-batch's prompts are branched with the policy after the previous
-    mini-batch's update (APPO with branch_timing='per_minibatch', as the paper does, and
-    more than one mini-batch); the trainer's step follows this rule."""
+    mini-batch's update (APPO with branch_timing='per_minibatch', arXiv 2606.12384 §3.2 and
+    App. I, Algorithm 1, and more than one mini-batch); the trainer's step follows this
+    rule."""
     r = self.rollout
     timing = r.strategy_kwargs.get("branch_timing", STRATEGIES["appo"].branch_timing)
     return (r.strategy == "appo" and timing == "per_minibatch"
@@ -680,7 +711,11 @@ class RunConfig:
 
   @classmethod
   def from_config_dict(cls, config: Any) -> "RunConfig":
-    """Validates a ConfigDict (or a plain dict) and returns the typed configuration."""
+    """Validates a ConfigDict (or a plain dict) and returns the typed configuration.
+
+    Raises:
+      ValueError: an unknown key (listing the valid ones) or an invalid value, named.
+    """
     values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     top = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(values) - top)

@@ -52,7 +52,12 @@ def _env_int(name: str) -> int | None:
 
 def resolve(spec: DistributedSpec) -> Cluster | None:
   """The process group `spec` asks for, unset fields from the environment; None for one
-  process. Fails naming the field when a multi-process run lacks its address or id."""
+  process.
+
+  Raises:
+    ValueError: a multi-process run lacks its coordinator address or a process id in
+      [0, num_processes), or a $JAX_* variable is not an integer; names the field.
+  """
   n = spec.num_processes or _env_int(ENV["num_processes"]) or 1
   if n < 1:
     raise ValueError(f"${ENV['num_processes']}={n} must be >= 1")
@@ -75,6 +80,7 @@ def initialize(spec: DistributedSpec) -> Cluster | None:
   Returns the group, or None for a one-process run (nothing is done).
 
   Raises:
+    ValueError: the group is misconfigured (`resolve`).
     RuntimeError: JAX's backend started before the group was joined (it would see only
       this process's devices), or the joined group is not the configured one.
   """
@@ -107,7 +113,16 @@ def is_primary() -> bool:
 
 def check_supported(rollout_engine: str, strategy: str, backend: str = "local",
                     max_staleness: int = 0) -> None:
-  """Fails at start-up on what a multi-process run cannot do yet, naming the field."""
+  """Fails at start-up on what a multi-process run cannot do; nothing in one process.
+
+  Args:
+    rollout_engine, strategy, backend, max_staleness: config.rollout.engine, .strategy,
+      .backend and .max_staleness.
+
+  Raises:
+    ValueError: max_staleness > 0, a Ray backend, an engine other than "jax", or the APPO
+      strategy, over several processes; names the field and the setting that runs.
+  """
   if jax.process_count() == 1:
     return
   if max_staleness:

@@ -1,7 +1,6 @@
 """Evaluation harness: runs a policy on a task family and reports PORTool's metrics.
 
-The metrics are PORTool's four (arXiv 2510.26020, §4.1, "Evaluation Metrics") plus pass@k
-and a per-difficulty split:
+The metrics are PORTool's four (arXiv 2510.26020, §4.1, "Evaluation Metrics"):
 
   - accuracy: fraction of episodes counted correct (by the verifier, or by the judge's
     majority vote when one is given);
@@ -9,9 +8,14 @@ and a per-difficulty split:
   - unanswerable_rate: fraction of episodes without an answer, truncated ones included;
   - avg_formatting_raw: mean of the raw [0, 1] formatting rubric over every step of every
     episode (the scale the paper reports);
+
+and further:
+
   - mean_reward: mean outcome reward, on the family's (or the judge's) scale;
-  - pass@k: the unbiased estimator 1 - C(n - c, k) / C(n, k) of Chen et al. (2021),
+  - truncated_rate: fraction of episodes that hit the turn limit;
+  - pass@k: the unbiased estimator 1 - C(n - c, k) / C(n, k) (arXiv 2107.03374, §2.1),
     averaged over tasks, with n = num_samples and c the task's correct samples;
+  - num_tasks, num_episodes: the counts evaluated;
   - accuracy/difficulty_<d>: accuracy over the tasks of difficulty d.
 
 `replay_oracle_policy` replays each task's oracle, so `evaluate(family, tasks,
@@ -113,6 +117,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
   Args:
     n: samples drawn; c: correct samples among them; k: the k of pass@k (k <= n).
+
+  Returns:
+    The estimate, in [0, 1].
+
+  Raises:
+    ValueError: unless 0 <= c <= n and 1 <= k <= n.
   """
   if not 0 <= c <= n or not 1 <= k <= n:
     raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -134,6 +144,12 @@ def compute_metrics(records: Sequence[EpisodeRecord], num_samples: int,
     records: every episode, `num_samples` per task.
     num_samples: samples per task (n of pass@k).
     pass_k: the k values; each must be in [1, num_samples].
+
+  Returns:
+    {metric name: value}: the module docstring's metrics, with one "pass@<k>" per k.
+
+  Raises:
+    ValueError: a k outside [1, a task's episode count] (`pass_at_k`).
   """
   by_task: dict[str, list[EpisodeRecord]] = collections.defaultdict(list)
   for r in records:
@@ -185,6 +201,9 @@ def evaluate(family: Family, tasks: Sequence[Task], policy: Policy, *, num_sampl
 
   Returns:
     The report.
+
+  Raises:
+    ValueError: a k outside [1, num_samples], or task ids that repeat.
   """
   bad_k = [k for k in pass_k if not 1 <= k <= num_samples]
   if bad_k:
@@ -265,13 +284,31 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   """Evaluation of a run directory's latest checkpoint or of an HF folder on held-out tasks,
   with the embedded JaxSampler.
 
-  Run directories default to their own task family, held-out size, seed, step length and
-  turns, so the numbers match the trainer's own evaluation of that checkpoint.
+  Run directories default to their own task family, held-out size, seed, step length,
+  context, turns and cache rows, so the numbers match the trainer's own evaluation of that
+  checkpoint.
 
   Args:
+    model: a run directory (with checkpoints/) or an HF folder (with config.json).
+    task: the task family (None: the run's, else "toolworld"); the run's family options
+      apply only to its own family.
+    num_tasks: held-out tasks (None: the run's num_eval_tasks, else 32).
+    seed: the held-out tasks' seed (None: the run's eval seed, else 0).
+    max_new_tokens: tokens per step (None: the run's, else 160).
+    max_context_tokens: the sampler's context; a run directory uses its own.
+    rows: the sampler's cache rows (None: the run's, else 16).
+    max_turns: steps per episode (None: the run's, else the family's).
     num_samples: 0 decodes greedily, one episode per task. K > 0 (a run directory, on its
       own tasks and settings) samples K episodes per task as the run's rollouts are (its
       temperature, top-p, top-k and seed), and the report has pass@1..K.
+
+  Returns:
+    The report (`evaluate`).
+
+  Raises:
+    ValueError: num_samples < 0; num_samples > 0 with an HF folder, or with any of task,
+      num_tasks, seed, max_new_tokens, max_turns given.
+    FileNotFoundError: `model` is neither a run directory nor an HF folder.
   """
   import pathlib
 

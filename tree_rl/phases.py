@@ -82,6 +82,7 @@ class StopFlag:
       self._on_signal.remove(fn)
 
   def restore(self) -> None:
+    """Puts back the signal handlers that were installed before this flag's."""
     for sig, old in self._old.items():
       signal.signal(sig, old)
 
@@ -112,7 +113,8 @@ def sft_warm_start(spec: SFTSpec, sft_state: Any, sft_step: Callable, teacher: A
     The state after the last SFT step, still with SFT's optimizer state.
 
   Raises:
-    Stopped: a signal came during a step; the progress after it is saved.
+    Stopped: a signal came before the last SFT step ended; the SFT steps done are saved.
+    RuntimeError: an oracle trajectory failed its tree checks (`check_bad_trees`).
   """
   done = run.sft_step
   if progress.latest_step() is None:

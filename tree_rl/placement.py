@@ -47,7 +47,15 @@ def build_mesh(spec: MeshSpec, devices: Sequence | None = None) -> Mesh:
   """The (data, fsdp, tensor) mesh of `config.mesh`.
 
   Fixed sizes take the first data * fsdp * tensor devices; -1 takes the rest, which
-  must split evenly. Fails naming the config and the device count otherwise.
+  must split evenly.
+
+  Args:
+    spec: config.mesh.
+    devices: the devices to build on (default: `jax.devices()`, every process's).
+
+  Raises:
+    ValueError: too few devices, or a -1 axis they do not split into; names the config
+      and the device count.
   """
   devices = list(jax.devices() if devices is None else devices)
   sizes = {a: getattr(spec, a) for a in sharding.MESH_AXES}
@@ -64,7 +72,17 @@ def build_mesh(spec: MeshSpec, devices: Sequence | None = None) -> Mesh:
 
 
 class Placement:
-  """Shardings of the trainer's state and batches on one mesh (see the module docstring)."""
+  """Shardings of the trainer's state and batches on one mesh (see the module docstring).
+
+  Args:
+    mesh: the (data, fsdp, tensor) mesh.
+    rules: the logical-axis rules (`sharding.LOGICAL_AXIS_RULES`).
+
+  Attributes:
+    sharded: the mesh has more than one device (else nothing is placed).
+    batch_sharding: a TreeBatch's sharding: dimension 0 (trees) over the "tree" rule's axes.
+    tree_shards: how many ways a batch's trees split (the product of those axes' sizes).
+  """
 
   def __init__(self, mesh: Mesh, rules=sharding.LOGICAL_AXIS_RULES):
     self.mesh, self.rules = mesh, rules
@@ -77,13 +95,18 @@ class Placement:
 
   @classmethod
   def from_spec(cls, spec: MeshSpec, devices: Sequence | None = None) -> "Placement":
+    """The placement on `build_mesh(spec, devices)` (which raises on a mesh that cannot form)."""
     return cls(build_mesh(spec, devices))
 
   # ------------------------------------------------------------------ start-up
 
   def check_replication(self, model: nnx.Module, max_fraction: float) -> None:
     """Fails when more than `max_fraction` of the parameter bytes would be fully
-    replicated on a mesh with more than one fsdp/tensor device."""
+    replicated on a mesh with more than one fsdp/tensor device.
+
+    Raises:
+      ValueError: naming config.mesh.max_replicated_fraction and the replicated share.
+    """
     try:
       sharding.assert_params_sufficiently_sharded(model, self.mesh, self.rules, max_fraction)
     except ValueError as e:
@@ -142,12 +165,17 @@ class Placement:
                                                               strict=True)])
 
   def place_state(self, state: ppo.TrainState) -> ppo.TrainState:
+    """`state` on its shardings by the logical-axis rules (as is on one device)."""
     if not self.sharded:
       return state
     return self.put(state, self.state_shardings(state))
 
   def place_batch(self, batch: TreeBatch) -> TreeBatch:
-    """The batch's trees split over the tree shards ([B, ...] -> [B / shards, ...] each)."""
+    """The batch's trees split over the tree shards ([B, ...] -> [B / shards, ...] each).
+
+    Raises:
+      ValueError: B is not a multiple of `tree_shards` (pack with `trees_bucket`).
+    """
     if not self.sharded:
       return batch
     b = batch.tokens.shape[0]

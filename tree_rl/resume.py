@@ -50,6 +50,7 @@ class RunState:
   method_state: Any = None
 
   def to_json(self) -> dict[str, Any]:
+    """The checkpoint metadata: every field, `method_state` left out when None."""
     out = dataclasses.asdict(self)
     if out["method_state"] is None:
       del out["method_state"]
@@ -57,7 +58,11 @@ class RunState:
 
   @classmethod
   def from_json(cls, meta: dict[str, Any]) -> RunState:
-    """The state a checkpoint's metadata holds (a field it lacks keeps its default)."""
+    """The state a checkpoint's metadata holds (a field it lacks keeps its default).
+
+    Raises:
+      ValueError: `meta` has a key that is not a RunState field.
+    """
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(meta) - names)
     if unknown:
@@ -93,7 +98,27 @@ def restore(workdir: pathlib.Path, config_dict: dict[str, Any], cfg: Any, state:
   Writes (or, resuming, checks) `<workdir>/config.json` against `config_dict`
   (`checkpoint.write_run_config`), and keeps in `writer`'s metrics.jsonl only the rows of
   what the restored checkpoint holds (redone steps are logged once), plus a row naming the
-  steps that did not verify when an older one was restored.
+  steps that did not verify when an older one was restored. A superseded SFT progress
+  folder is removed.
+
+  Args:
+    workdir: the run's folder.
+    config_dict: the run's config as plain values (what config.json holds).
+    cfg: the validated RunConfig (keep_checkpoints, sft.steps, resume).
+    state: the freshly built, placed TrainState, the target a checkpoint restores into.
+    writer: the run's metric writer.
+    allow_config_change: resume even if the config differs from the saved one.
+    primary: this process writes files (process 0); the others only check.
+
+  Returns:
+    The Restored state, run state and checkpointers. Resuming SFT progress restores only
+    the run state; the SFT phase restores its own TrainState.
+
+  Raises:
+    ValueError: the config differs from the saved one (without `allow_config_change`), or
+      the checkpoint was written by another configuration.
+    FileNotFoundError: `config.resume` holds no checkpoint.
+    checkpoint.CheckpointRejectedError: no step of the checkpoint restored from verifies.
   """
   ckpt = RunCheckpointer(workdir / "checkpoints", keep_last=cfg.keep_checkpoints)
   sft_dir = workdir / "checkpoints_sft"

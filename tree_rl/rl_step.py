@@ -82,6 +82,7 @@ class ShapeFitter:
     return batch.replace(max_path_len=path, max_loss_tokens=loss)
 
   def __call__(self, state: ppo.TrainState, batch, kv_blocks: int = 0) -> ppo.TrainState:
+    """`state` on the graph fitted to `batch`'s bound (`kv_blocks`), or as is when unbounded."""
     if not self.fit.base.bounded:
       return state
     return state.replace(graphdef=self.fit.graphdef(batch, kv_blocks))
@@ -146,7 +147,8 @@ class StepResult:
   Attributes:
     rollout: the step's StepRollout (every tree grown, those trained on, its logs).
     method_state: the strategy's learned state as of this step's rollout (`method_state`).
-    trained: per update, (its trees, the policy version that sampled them).
+    trained: per update, (its trees, the learner's published policy version when it trained
+      them); `pipeline.staleness` compares it with each node's sampling version.
     bad: the trees `pack` dropped, as (task id, why).
     metrics: the updates' metrics averaged over the mini-batches, or None without one.
   """
@@ -161,9 +163,25 @@ class StepResult:
 def rl_step(learner: Learner, rollout: Any, state: ppo.TrainState, produced: Produced,
             key: jax.Array, timer: metrics_lib.PhaseTimer,
             note: Callable[[str], None] = lambda text: None) -> tuple[Any, StepResult]:
-  """Trains step `produced.step` on its trees (see the module docstring); `rollout` is the
-  run's `session.Rollout` (with `learner.branch_between`, the step's trees are grown here,
-  from `produced.rollout`'s tasks). `note` gets progress texts. Returns (state, result)."""
+  """Trains step `produced.step` on its trees (see the module docstring).
+
+  Args:
+    learner: how the trees become updates.
+    rollout: the run's `session.Rollout`; with `learner.branch_between` the step's trees
+      are grown here, from `produced.rollout`'s tasks, syncing it before mini-batch k > 0.
+    state: the TrainState before the step.
+    produced: the step's rollout from the `RolloutPipeline`.
+    key: the step's update key; mini-batch k of a split step updates with fold_in(key, k).
+    timer: accumulates the rollout, pack and update times.
+    note: gets progress texts.
+
+  Returns:
+    (the TrainState after the step's updates, its StepResult).
+
+  Raises:
+    ValueError: a packed batch overflowed the attention bound it was fitted to
+      (`ShapeFitter.wrap`).
+  """
   grow = learner.branch_between
   parts, trained, bad = [], [], []
   ratios = []

@@ -178,10 +178,10 @@ def _step_row(result: StepResult, rollout: Rollout, reasoning: Any,
 def release_memory() -> None:
   """Gives back what a finished run leaves behind once its objects are gone: the cycles
   only `gc` frees (device buffers among them) and the heap that glibc keeps for reuse
-  (`malloc_trim`), so that runs one after another in a process each start near the first
-  one's footprint. jax's caches of compiled programs stay: a later run of the same shapes
-  reuses them (dropping them made `tests/train_test.py` 1.7x slower: 407 s, 234 s); a sweep
-  over different models in one process can call `jax.clear_caches()` between runs."""
+  (`malloc_trim`; a no-op off glibc). JAX's caches of compiled programs are kept, so a later
+  run of the same shapes reuses them; a sweep over different models in one process can call
+  `jax.clear_caches()` between runs (docs/performance.md#runs-one-after-another-in-one-process).
+  """
   gc.collect()
   try:
     ctypes.CDLL(None).malloc_trim(0)
@@ -205,13 +205,34 @@ def _releasing_memory(fn):
 @_releasing_memory
 def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
                        ) -> dict[str, Any]:
-  """Runs the configured experiment in `workdir`. Resuming the workdir's run with a
-  different config fails unless `allow_config_change` (checkpoint.write_run_config).
+  """Runs the configured experiment in `workdir`, resuming the run already there.
+
+  A SIGINT or SIGTERM ends the run early with its progress saved (an evaluation at the
+  engine's next call, an SFT or RL step once it is done), and the call returns normally
+  (docs/faults.md#kills-signals-and-resume).
+
+  Args:
+    config: the experiment's ConfigDict (or a plain dict), as a `configs/*.py` returns it;
+      validated once into a `RunConfig`.
+    workdir: the run's folder (created if missing): checkpoints, config.json,
+      metrics.jsonl, eval reports and transcripts, phases.txt, curves.png.
+    allow_config_change: let a resume use a config that differs from the saved
+      config.json outside `checkpoint.RESUMABLE_FIELDS`.
 
   Returns:
     {"eval": {stage: eval metrics} (stages "base", "sft", "step<k>", "rl"), "steps": the
     last RL step done, "history": the metrics rows, "state": the final TrainState}. Nothing
     else of the run outlives the call (`release_memory`).
+
+  Raises:
+    ValueError: an invalid config, or one the machine or the process group cannot run
+      (each names the field); a resume whose config changed (`write_run_config`).
+    RuntimeError: more than config.rollout.max_bad_tree_fraction of a step's trees failed
+      their checks (`tree.batch.check_bad_trees`); no step of the checkpoint to resume
+      from verifies (`checkpoint.CheckpointRejectedError`); JAX started before the process
+      group was joined (`distributed.initialize`).
+    FloatingPointError: config.algo.max_skipped_steps updates in a row were skipped for a
+      non-finite loss or gradient norm.
   """
   # ============================== Setup ==============================
   cfg = RunConfig.from_config_dict(config)  # validation happens here, before any compile

@@ -70,9 +70,17 @@ def check_fleet(backend: str, num_workers: int, strategy: str, engine: str = "ja
                 leaf_rewards: bool = False) -> None:
   """Fails with the reason when a fleet of `num_workers` on `backend` cannot run this rollout.
 
-  One local worker runs anything (today's single engine). Otherwise the strategy must be
+  One local worker runs anything (the trainer's own engine). Otherwise the strategy must be
   split-invariant, the engine one a worker can build (JaxSampler or VLLMEngine), and the
   leaves are not scored by the trainer's judge.
+
+  Args:
+    backend, num_workers, strategy, engine: config.rollout's fields of those names.
+    leaf_rewards: a reasoning judge scores the leaves (config.judge.kind is set).
+
+  Raises:
+    ValueError: an unknown backend or engine, num_workers < 1, or, for more than one local
+      worker or any Ray fleet, a strategy not in SPLITTABLE_STRATEGIES or a judge.
   """
   if backend not in BACKENDS:
     raise ValueError(f"config.rollout.backend={backend!r} must be one of {BACKENDS}")
@@ -117,6 +125,7 @@ class WorkerSpec:
   engine: EngineSpec = dataclasses.field(default_factory=EngineSpec)
 
   def __post_init__(self):
+    """Raises TypeError unless `engine` is an EngineSpec."""
     if not isinstance(self.engine, EngineSpec):
       raise TypeError(f"WorkerSpec.engine={self.engine!r} must be an engines.EngineSpec")
 
@@ -257,7 +266,13 @@ class Fleet(abc.ABC):
     self._key = key
 
   def rollout(self, tasks: Sequence[Any]) -> list:
-    """The trees of `tasks` in task order (one per task the strategy did not skip)."""
+    """The trees of `tasks` in task order (one per task the strategy did not skip), with a
+    version `publish`ed since the last call loaded first.
+
+    Raises:
+      ValueError: no `reseed` before the first rollout.
+      RuntimeError: (Ray) a worker lost its chunk more than `max_resends` times.
+    """
     if self._key is None:
       raise ValueError("Fleet.rollout before reseed(key): the workers need the step's key")
     with self._lock:
@@ -318,7 +333,7 @@ class Fleet(abc.ABC):
 
 
 class LocalFleet(Fleet):
-  """Workers in this process, run one after the other (one worker: today's single engine)."""
+  """Workers in this process, run one after the other (one worker: the trainer's engine)."""
 
   def __init__(self, spec: WorkerSpec, model: nnx.Module, num_workers: int = 1):
     super().__init__(spec.strategy, num_workers)
@@ -374,6 +389,10 @@ def check_ray_resources(num_workers: int, num_cpus: float, num_gpus: float,
   `num_workers`. This counts the nodes' whole resources (what the cluster has now: an
   autoscaling cluster must have scaled up first); resources other actors hold at the moment
   make the workers wait, which `RayFleet`'s start timeout bounds.
+
+  Raises:
+    RuntimeError: the nodes hold fewer than `num_workers` such workers; names the
+      settings to change.
   """
   if num_cpus <= 0 and num_gpus <= 0:  # a worker asking for nothing fits anywhere
     return
@@ -420,9 +439,9 @@ class RayFleet(Fleet):
     max_resends: resends of one chunk in one call before the step fails.
 
   Raises:
-    RuntimeError: the cluster's nodes cannot hold `num_workers` actors of these resources
-      (before any starts, `check_ray_resources`), or a worker is not running `timeout_s`
-      after its start, or failed to start.
+    RuntimeError: Ray is not initialised; the cluster's nodes cannot hold `num_workers`
+      actors of these resources (before any starts, `check_ray_resources`); a worker is not
+      running `timeout_s` after its start, or failed to start.
   """
 
   def __init__(self, spec: WorkerSpec, model: nnx.Module, num_workers: int, *,
@@ -606,6 +625,9 @@ def check_vllm_gpus(num_gpus: float, memory_fraction: float) -> None:
   A VLLMEngine serves on one GPU (no tensor parallelism), so an actor gets at most one.
   Actors with a fraction of a GPU share it: each vLLM then takes `memory_fraction` of the
   whole device, so that must fit in the actor's share. 0 GPUs: vLLM on CPU.
+
+  Raises:
+    ValueError: `num_gpus` > 1, or a fractional `num_gpus` below `memory_fraction`.
   """
   if num_gpus > 1:
     raise ValueError(f"config.rollout.worker_num_gpus={num_gpus:g}: a vLLM rollout worker "
@@ -620,7 +642,20 @@ def check_vllm_gpus(num_gpus: float, memory_fraction: float) -> None:
 
 def make_fleet(backend: str, spec: WorkerSpec, model: nnx.Module, num_workers: int = 1,
                **ray_kwargs) -> Fleet:
-  """A LocalFleet or a RayFleet (`ray_kwargs`: RayFleet's num_cpus, num_gpus, timeout_s)."""
+  """A LocalFleet or a RayFleet of `num_workers` workers built from `spec`, serving `model`.
+
+  Args:
+    backend: "local" or "ray" (Ray must be initialised).
+    spec: what each worker builds.
+    model: the policy (version 0).
+    num_workers: workers.
+    **ray_kwargs: RayFleet's num_cpus, num_gpus, timeout_s, max_resends (Ray only).
+
+  Raises:
+    ValueError: `check_fleet` refuses the fleet; Ray options with backend='local'; a vLLM
+      worker's GPU share (`check_vllm_gpus`).
+    RuntimeError: the Ray fleet cannot start (see `RayFleet`).
+  """
   check_fleet(backend, num_workers, spec.strategy, spec.engine.kind)
   if backend == "local":
     if ray_kwargs:
@@ -640,7 +675,13 @@ def run_fleet(cfg: Any, model: nnx.Module, tokenizer: Any, agent: AgentConfig,
 
   With rollout.engine='vllm' every worker runs a VLLMEngine with the trainer's settings
   (rollout.vllm_python, model.dtype, rollout.generator_memory_fraction, the seed) and
-  `vllm_kwargs` (further VLLMEngine arguments, e.g. log_file)."""
+  `vllm_kwargs` (further VLLMEngine arguments, e.g. log_file).
+
+  Raises:
+    ValueError: `vllm_kwargs` without rollout.engine='vllm', or what `make_fleet` refuses.
+    RuntimeError: the Ray fleet cannot start (see `RayFleet`); Ray is shut down again if
+      this call started it.
+  """
   r = cfg.rollout
   if r.backend == "local" and r.num_workers == 1:
     return None

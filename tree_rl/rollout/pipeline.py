@@ -18,8 +18,8 @@ rule above keeps that at most S (`staleness`).
 
 Off-policy correction: the loss's ratio is pi_theta / pi_behaviour with the behaviour
 log-probs recorded at sampling time, and it is clipped, so stale tokens enter with a
-bounded importance weight (docs/async_rollouts.md). The trainer refuses S > 0 where that
-does not hold (`check_async`).
+bounded importance weight (docs/async_rollouts.md#off-policy-correction). The trainer
+refuses S > 0 where that does not hold (`check_async`).
 
 Both modes run behind one interface, `RolloutPipeline.get(step)`; the producer's errors are
 raised by the learner's next `get`.
@@ -74,7 +74,11 @@ class VersionedEngine:
     self._interrupted = False
 
   def publish(self, version: int, load: Callable[[], None]) -> None:
-    """Version `version` is loaded by `load()` before the next generate (newest wins)."""
+    """Version `version` is loaded by `load()` before the next generate (newest wins).
+
+    Raises:
+      ValueError: `version` does not exceed the published one.
+    """
     with self._lock:
       if version <= self.published:
         raise ValueError(f"policy version {version} must exceed the published "
@@ -82,6 +86,7 @@ class VersionedEngine:
       self._pending, self.published = (int(version), load), int(version)
 
   def load_now(self, version: int, load: Callable[[], None]) -> None:
+    """`publish(version, load)`, then loads it at once (under the lock)."""
     self.publish(version, load)
     with self._lock:
       self._load_pending()
@@ -93,6 +98,12 @@ class VersionedEngine:
       self.version, self._pending = version, None
 
   def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    """The wrapped engine's results, each stamped with the version that sampled it (a
+    pending version is loaded first).
+
+    Raises:
+      RolloutInterrupted: after `interrupt`.
+    """
     with self._lock:
       if self._interrupted:
         raise RolloutInterrupted("the rollout pipeline is closing")
@@ -105,6 +116,7 @@ class VersionedEngine:
     self.load_now(self.published + 1, lambda: self.engine.update_weights(params))
 
   def reseed(self, key: Any) -> None:
+    """The wrapped engine's next sampling stream (between `generate` calls)."""
     with self._lock:
       self.engine.reseed(key)
 
@@ -113,6 +125,7 @@ class VersionedEngine:
     self._interrupted = True
 
   def close(self) -> None:
+    """Closes the wrapped engine, if it has a `close`."""
     if hasattr(self.engine, "close"):
       self.engine.close()
 
@@ -145,7 +158,10 @@ class RolloutPipeline:
     produce: (step, data position) -> Produced, the step's whole rollout.
     first, last: the steps to produce.
     data_position: the data order's position before step `first`.
-    max_staleness: S.
+    max_staleness: S; with S > 0 (and first <= last) the producer thread starts here.
+
+  Raises:
+    ValueError: `max_staleness` is not an int >= 0.
   """
 
   def __init__(self, produce: Callable[[int, int], Produced], first: int, last: int,
@@ -172,7 +188,12 @@ class RolloutPipeline:
     return step <= self.max_staleness + self._requested
 
   def get(self, step: int) -> Produced:
-    """Step `step`'s rollout (blocks until it is grown); steps are asked for in order."""
+    """Step `step`'s rollout (blocks until it is grown); steps are asked for in order.
+
+    Raises:
+      ValueError: S > 0 and `step` is not the one after the last asked for.
+      RuntimeError: the producer failed (its error chained as the cause).
+    """
     if self._thread is None:  # synchronous: grown now, with the latest weights
       got = self.produce(step, self._position)
       self._position = got.data_position
@@ -252,9 +273,13 @@ def check_async(max_staleness: int, clip_eps_high: float | None, per_minibatch: 
   Args:
     max_staleness: S.
     clip_eps_high: the loss's upper clip radius (None: the estimator clips, as AWPO's
-      Eq. 29 radius does).
+      batch radius does, arXiv 2512.19126 Eq. 29).
     per_minibatch: APPO branches each mini-batch with the policy after the previous
       mini-batch's update.
+
+  Raises:
+    ValueError: `max_staleness` is not an int >= 0; with S > 0, a clip radius of at least
+      MAX_ASYNC_CLIP_EPS, or per-minibatch branching.
 
   Several learner processes are refused by `tree_rl.distributed.check_supported`.
   """

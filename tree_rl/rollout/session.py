@@ -40,8 +40,13 @@ def owned(model: Decoder) -> Decoder:
 
 
 def check_vllm(cfg: RunConfig) -> str | None:
-  """With rollout.engine="vllm": the interpreter that has vLLM (fails before any compile
-  when there is none, or when vLLM's CPU backend cannot serve the model)."""
+  """With rollout.engine="vllm": the interpreter that has vLLM, checked before any compile;
+  None with another engine.
+
+  Raises:
+    ValueError: no interpreter with vLLM is found, or vLLM's CPU backend cannot serve the
+      tiny model (head_dim < 64).
+  """
   if cfg.rollout.engine != "vllm":
     return None
   from tree_rl.rollout.vllm_engine import VLLM_PYTHON_ENV, find_vllm_python  # noqa: PLC0415
@@ -68,7 +73,8 @@ class Rollout:
     engine: `sampler` behind a VersionedEngine: every sampled node is stamped with the
       policy version that sampled it.
     strategy: the branching strategy (`strategy_for_run`); APPO's scores branch points with
-      `policy_model`, which `sync` keeps equal to the learner's policy.
+      `policy_model`.
+    policy_model: the learner's policy, which `sync` updates in place (the branch scorer's).
     agent: the agent loop over `engine`, `strategy` and the family's tools.
     fleet: the rollout workers, or None when `agent` is the one worker.
   """
@@ -78,10 +84,23 @@ class Rollout:
                leaf_rewards: Any, rollout_model: Callable[[Decoder], Decoder],
                workdir: pathlib.Path, timer: metrics_lib.PhaseTimer,
                vllm_python: str | None = None):
-    """`state`: the learner's TrainState; `scorer(model)`: the current-policy scorer of
-    `model` (`model_scorer`); `rollout_model(model)`: `model` placed as the samplers
-    take it (`Placement.rollout_model`); `vllm_python`: with rollout.engine='vllm', the
-    interpreter that has vLLM (`check_vllm`)."""
+    """Builds the engine, strategy, agent loop and fleet on `state`'s policy (version 0).
+
+    Args:
+      cfg: the run's config.
+      state: the learner's TrainState.
+      tokenizer: the policy's HF tokenizer.
+      chat: the chat format built from it.
+      family: the task family (its tools and verifier).
+      estimator_config: the advantage estimator's config (`RunConfig.estimator_config`).
+      scorer: `scorer(model)` is the current-policy scorer of `model` (`model_scorer`).
+      leaf_rewards: the reasoning judge that scores each leaf, or None.
+      rollout_model: `rollout_model(model)` is `model` placed as the samplers take it
+        (`Placement.rollout_model`).
+      workdir: the run's folder (vLLM's policy folder and logs).
+      timer: the run's phase timer (`sync` counts "weight_sync").
+      vllm_python: with rollout.engine='vllm', the interpreter that has vLLM (`check_vllm`).
+    """
     r = self._r = cfg.rollout
     self._rollout_model, self._timer = rollout_model, timer
     # The samplers' first weights: their own copy with S > 0, where the producer still
@@ -150,6 +169,7 @@ class Rollout:
     return out
 
   def close(self) -> None:
+    """Stops the engine and the fleet (vLLM processes, Ray actors)."""
     self.engine.close()
     if self.fleet is not None:
       self.fleet.close()
@@ -163,6 +183,17 @@ class Evaluator:
   before it samples: an eval changes nothing that training samples, so runs that differ
   only in `eval_every_steps` train alike. With rollout.max_staleness > 0 the producer shares
   the engine meanwhile, and its stream is left alone.
+
+  Args:
+    family: the task family.
+    tasks: the held-out tasks.
+    engine: the run's engine (`Rollout.engine`).
+    chat: the chat format.
+    max_new_tokens: tokens per step.
+    max_turns: steps per episode.
+    key: the evaluations' sampling stream (used with `own_stream`).
+    own_stream: reseed the engine with `key` before each evaluation.
+    primary: this process prints progress (process 0).
   """
 
   def __init__(self, family: Any, tasks: Sequence[Any], engine: VersionedEngine,
