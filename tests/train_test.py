@@ -258,7 +258,8 @@ def test_two_runs_in_one_process_give_back_what_the_first_held(tmp_path):
 @pytest.mark.e2e
 def test_eval_base_false_skips_the_base_models_eval(tmp_path, capsys):
   """The main job's preset sets eval_base=False: SFT and its eval run, the base model's eval
-  does not (no row, no file, not in the plan), and RL is compared with SFT."""
+  does not (no row, no file, not in the plan), and RL is compared with SFT. Evaluation
+  runs the family's turn limit, not the rollouts'."""
   c = _config("apppo")
   c.eval_base = False
   out = train.train_and_evaluate(c, str(tmp_path))
@@ -266,7 +267,9 @@ def test_eval_base_false_skips_the_base_models_eval(tmp_path, capsys):
   assert [r["phase"] for r in out["history"]][:2] == ["sft", "eval:sft"]
   assert not (tmp_path / "eval_base.json").exists()
   captured = capsys.readouterr()
-  assert "eval base" not in captured.err and "eval sft: 2 tasks" in captured.err
+  # Its rollouts take at most 2 turns (runlocal); held-out evaluation runs the family's 3.
+  assert c.rollout.max_turns == 2 and c.task.kwargs["max_turns"] == 3
+  assert "eval base" not in captured.err and "eval sft: 2 tasks, 3 turns" in captured.err
   assert "rl - sft on 2 tasks: " in captured.out
   assert importlib.import_module("configs.apppo").get_config().eval_base is False
 
@@ -417,7 +420,7 @@ def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):
   assert gen.shape[1] == ids.shape[1] + 4
   a = evaluate_policy_folder(str(run))
   b = evaluate_policy_folder(str(out), task="toolworld", num_tasks=2, seed=0, max_new_tokens=8,
-                             rows=4, max_turns=2)
+                             rows=4)
   for k in ("accuracy", "mean_reward", "avg_formatting_raw"):
     assert a.metrics[k] == pytest.approx(b.metrics[k]), k
   # launch/evaluate.py --samples: K episodes per held-out task at the run's rollout settings.

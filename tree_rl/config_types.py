@@ -170,7 +170,7 @@ class RolloutSpec:
   strategy: str = "flat"
   strategy_kwargs: dict = dataclasses.field(default_factory=dict)
   samples_per_task: int = 4
-  max_turns: int = 0  # 0: the family's own limit
+  max_turns: int = 0  # rollouts' and SFT demonstrations' turn limit, 0: the family's own
   max_new_tokens: int = 160
   temperature: float = 1.0
   top_p: float = 1.0

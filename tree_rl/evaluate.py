@@ -285,8 +285,9 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
   with the embedded JaxSampler.
 
   Run directories default to their own task family, held-out size, seed, step length,
-  context, turns and cache rows, so the numbers match the trainer's own evaluation of that
-  checkpoint.
+  context and cache rows, so the numbers match the trainer's own evaluation of that
+  checkpoint. Turns default to the family's own limit, as the trainer evaluates (not
+  rollout.max_turns, which caps training rollouts).
 
   Args:
     model: a run directory (with checkpoints/) or an HF folder (with config.json).
@@ -297,7 +298,7 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     max_new_tokens: tokens per step (None: the run's, else 160).
     max_context_tokens: the sampler's context; a run directory uses its own.
     rows: the sampler's cache rows (None: the run's, else 16).
-    max_turns: steps per episode (None: the run's, else the family's).
+    max_turns: steps per episode (None: the family's own limit).
     num_samples: 0 decodes greedily, one episode per task. K > 0 (a run directory, on its
       own tasks and settings) samples K episodes per task as the run's rollouts are (its
       temperature, top-p, top-k and seed), and the report has pass@1..K.
@@ -346,7 +347,6 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     seed = cfg.task.eval_task_seed if seed is None else seed
     max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
     max_context_tokens = cfg.rollout.max_context_tokens
-    max_turns = max_turns or cfg.rollout.max_turns or None
     rows = rows or cfg.rollout.cache_rows
   elif num_samples:
     raise ValueError(f"num_samples={num_samples} samples at a run's rollout settings: "

@@ -256,7 +256,9 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
   unscored = (REASONING_CHANNEL,) if cfg.algo.estimator == "awpo" else ()
   writer = metrics_lib.MetricWriter(workdir_path, primary=primary)
   timer = metrics_lib.PhaseTimer()
-  turns = r.max_turns or family.max_turns
+  # Held-out evaluation runs the family's own turn limit, whatever the strategy's rollouts
+  # use (rollout.max_turns, PORTool's t_max): every arm of a comparison is scored alike.
+  turns = family.max_turns
 
   # ============================== Mesh, policy & optimizer ==============================
   placement = Placement.from_spec(cfg.mesh)  # fails here on a mesh the devices cannot form
