@@ -26,7 +26,8 @@ def examples(n: int) -> int:
   return n if FULL_EXAMPLES else max(10, n // 4)
 
 
-TEST_BUCKETS = Buckets(tokens=(256,), nodes=(128,), leaves=(16,), path_tokens=(64,), trees=None)
+TEST_BUCKETS = Buckets(tokens=(256,), nodes=(128,), leaves=(16,), path_tokens=(64,),
+                       trees=(4, 8, 16, 32, 64))
 VOCAB = 50
 
 OUTCOMES = (-1.0, 0.0, 1.0)

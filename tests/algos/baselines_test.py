@@ -224,7 +224,8 @@ def test_dapo_explicit_lengths_that_fire_win():
 
 def test_dapo_keep_mask():
   batch = pack([_flat([1, 1, 1]), _flat([1, 0, 1]), _flat([0, 0])], S.TEST_BUCKETS)
-  np.testing.assert_array_equal(grpo.dapo_keep_mask(batch), [False, True, False])
+  # The fourth row pads the batch to its tree bucket: no group, not kept.
+  np.testing.assert_array_equal(grpo.dapo_keep_mask(batch), [False, True, False, False])
 
 
 def test_arpo_hard_attribution_averages_shared_tokens():
