@@ -202,6 +202,20 @@ def _releasing_memory(fn):
   return wrapper
 
 
+def _summarize(run: RunState, writer: metrics_lib.MetricWriter, timer: metrics_lib.PhaseTimer,
+               workdir: pathlib.Path) -> None:
+  """Prints the eval table, RL against SFT (McNemar, paired bootstrap) and where the time
+  went; writes phases.txt and curves.png."""
+  print(metrics_lib.summary_table(run.eval, EVAL_KEYS), flush=True)
+  for line in _paired_comparisons(workdir):
+    print(line, flush=True)
+  phases = timer.table()
+  print(phases, flush=True)
+  (workdir / "phases.txt").write_text(phases + "\n", encoding="utf-8")
+  metrics_lib.plot_curves(writer.history, workdir / "curves.png",
+                          ["reward/outcome_mean", "eval/accuracy"])
+
+
 @_releasing_memory
 def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = False
                        ) -> dict[str, Any]:
@@ -415,14 +429,6 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
     writer.close()
     rollout.close()
 
-  # ============================== Summary ==============================
   if primary:
-    print(metrics_lib.summary_table(run.eval, EVAL_KEYS), flush=True)
-    for line in _paired_comparisons(workdir_path):
-      print(line, flush=True)
-    phases = timer.table()
-    print(phases, flush=True)
-    (workdir_path / "phases.txt").write_text(phases + "\n", encoding="utf-8")
-    metrics_lib.plot_curves(writer.history, workdir_path / "curves.png",
-                            ["reward/outcome_mean", "eval/accuracy"])
+    _summarize(run, writer, timer, workdir_path)
   return {"eval": run.eval, "steps": run.step, "history": writer.history, "state": state}
