@@ -23,7 +23,8 @@ _TASK = flags.DEFINE_string("task", None, "Task family (default: the run's).")
 _NUM = flags.DEFINE_integer("num_tasks", None, "Held-out tasks (default: the run's).")
 _SEED = flags.DEFINE_integer("seed", None, "Task seed (default: the run's, else 0).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, "Tokens per step (default: the run's).")
-_TURNS = flags.DEFINE_integer("max_turns", None, "Steps per episode (default: the run's).")
+_TURNS = flags.DEFINE_integer("max_turns", None, "Steps per episode (default: the task "
+                              "family's own limit, as the trainer evaluates).")
 _SAMPLES = flags.DEFINE_integer("samples", 0, "Episodes per task sampled at the run's rollout "
                                 "settings, for pass@1..N (a run directory; its own tasks).")
 _OUT = flags.DEFINE_string("out", "", "Write the report JSON here.")
