@@ -14,6 +14,8 @@ CORE = [
     "absl-py>=2.1,<3",
     "ml_collections>=1.0,<2",
     "numpy>=1.26,<3",
+    # tree_rl.stats: t and noncentral t distributions (jax already depends on scipy).
+    "scipy>=1.11,<2",
     "jaxtyping>=0.2.38,<0.4",
     "safetensors>=0.4,<1",
     "tokenizers>=0.21,<1",

@@ -168,6 +168,11 @@ if SCALE != "smoke":
 # fraction of groups whose leaves all scored the same, so that they had zero advantage
 # (main arms, (N, B) arms and the 10-step budget arms), and how the budget arms' policies
 # failed.
+#
+# Then the paired tests: the reference arm against each other arm, and each arm's RL against
+# its SFT warm start, task by task (exact McNemar per seed; over seeds a sign-flip test and
+# bootstrap interval over tasks, and a t-interval over seeds at the pooled spread), with a
+# verdict at α = 0.05 and the seeds a 3-task gap would need (docs/notebooks.md#paired-tests).
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -193,7 +198,11 @@ SECTIONS = {"Main comparison (M = 4)": (MAIN, COLUMNS + PASS_COLUMNS),
             "Groups without reward spread (last 5 steps)": (MAIN + N_B + PROBES,
                                                             SIGNAL_COLUMNS),
             "How the budget probes' policies failed (final eval)": (BUDGET, FAILURE_COLUMNS)}
-TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS)
+# Paired tests (each comparison's method against every other arm, task by task; RL against
+# its warm start): the paper's (N, B) optimum (4, 3) is the reference of the sweep.
+PAIRED = {"Main comparison (M = 4)": (APPO, MAIN), "(N, B) at M = 16": (N_B[1], N_B),
+          "Ablations (M = 4)": (APPO, ABLATIONS), "RL budget": (APPO, BUDGET)}
+TABLES = ex.write_tables(runs, ROOT / PAPER, f"APPO ({SCALE})", SECTIONS, PAIRED)
 ex.show(TABLES)
 
 # %%

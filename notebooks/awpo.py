@@ -121,6 +121,11 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # greedy, after the SFT warm start and after RL, with RL's change per seed on the same
 # tasks; then the training rewards (mean of the last 5 steps; the reasoning score only
 # where a judge ran): mean ± std over seeds, n seeds.
+#
+# Then the paired tests: the reference arm against each other arm, and each arm's RL against
+# its SFT warm start, task by task (exact McNemar per seed; over seeds a sign-flip test and
+# bootstrap interval over tasks, and a t-interval over seeds at the pooled spread), with a
+# verdict at α = 0.05 and the seeds a 3-task gap would need (docs/notebooks.md#paired-tests).
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -128,8 +133,9 @@ COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "sft/mean_rew
            "rl/mean_reward", "rl_minus_sft/mean_reward", "train/reward/outcome_mean",
            "train/reward/reasoning_mean"]
 SECTIONS = {"Main comparison": MAIN, "Ablations (Table 5)": ABLATIONS}
+PAIRED = {title: (AWPO, arms) for title, arms in SECTIONS.items()}  # AWPO against each
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"AWPO ({SCALE})",
-                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()}, PAIRED)
 ex.show(TABLES)
 
 # %%

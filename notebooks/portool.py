@@ -118,6 +118,11 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # decoding; PORTool §4.1's accuracy, tool steps, unanswerable rate and raw formatting
 # score), RL's change of accuracy per seed on the same tasks, and the training reward (mean
 # of the last 5 steps): mean ± std over seeds, n seeds.
+#
+# Then the paired tests: the reference arm against each other arm, and each arm's RL against
+# its SFT warm start, task by task (exact McNemar per seed; over seeds a sign-flip test and
+# bootstrap interval over tasks, and a t-interval over seeds at the pooled spread), with a
+# verdict at α = 0.05 and the seeds a 3-task gap would need (docs/notebooks.md#paired-tests).
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -126,8 +131,9 @@ COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy", "rl/avg_tool_
 SECTIONS = {"Main comparison": MAIN, "Discount γ (default 0.95)": GAMMA,
             "Advantage weighting (default: Theorem 3.1)": WEIGHTING,
             "Step-reward rule G (default: adaptive)": G_RULE}
+PAIRED = {title: (PORTOOL, arms) for title, arms in SECTIONS.items()}  # PORTool against each
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"PORTool ({SCALE})",
-                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()}, PAIRED)
 ex.show(TABLES)
 
 # %%

@@ -134,6 +134,11 @@ ex.run_arms(PAPER, TO_RUN, SCALE, ROOT, rerun=RERUN, replot_only=REPLOT_ONLY)
 # logged by every arm's estimator: 1 minus eq. 21's ratio, so GRPO's effective ratio too),
 # and the policy tokens sampled a step (training columns: mean of the last 5 steps): mean ±
 # std over seeds, n seeds.
+#
+# Then the paired tests: the reference arm against each other arm, and each arm's RL against
+# its SFT warm start, task by task (exact McNemar per seed; over seeds a sign-flip test and
+# bootstrap interval over tasks, and a t-interval over seeds at the pooled spread), with a
+# verdict at α = 0.05 and the seeds a 3-task gap would need (docs/notebooks.md#paired-tests).
 
 # %%
 runs = ex.load_runs(ROOT, PAPER)
@@ -143,8 +148,9 @@ COLUMNS = ["sft/accuracy", "rl/accuracy", "rl_minus_sft/accuracy",
 SECTIONS = {"Main comparison (6 leaves per prompt)": MAIN,
             "Equal sampling cost (4 units per prompt)": EQUAL_COST,
             "Stage ablations": STAGES}
+PAIRED = {title: (TRACE, arms) for title, arms in SECTIONS.items()}  # TRACE against each
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"TRACE ({SCALE})",
-                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()})
+                         {t: (arms, COLUMNS) for t, arms in SECTIONS.items()}, PAIRED)
 ex.show(TABLES)
 
 # %%

@@ -223,6 +223,58 @@ def test_load_runs_reads_finished_and_partial_runs(results):
   assert ex.load_runs(results, "no_such_paper") == []
 
 
+def _write_scored(folder: pathlib.Path, sft_right: int, rl_right: range) -> None:
+  """A finished run whose SFT eval got tasks 0..sft_right-1 right of 32, its RL eval
+  `rl_right` (one greedy episode a task, as the trainer writes them)."""
+  folder.mkdir(parents=True)
+  for stage, right in (("sft", range(sft_right)), ("rl", rl_right)):
+    episodes = [{"task_id": f"t{i}", "sample": 0, "correct": i in right} for i in range(32)]
+    (folder / f"eval_{stage}.json").write_text(json.dumps(
+        {"metrics": {"accuracy": len(right) / 32}, "episodes": episodes}))
+  name, seed = folder.name.rsplit("_s", 1)
+  (folder / "arm.json").write_text(json.dumps({"arm": name, "seed": int(seed)}))
+
+
+def test_paired_tables_test_task_by_task_and_pool_the_spread_over_seeds(tmp_path):
+  paper = tmp_path / "paper"
+  # From SFT's 10 tasks, "ref" gains 6 different tasks at each seed; "x" gains 1 and 2.
+  _write_scored(paper / "ref_s0", 10, range(16))
+  _write_scored(paper / "ref_s1", 10, [*range(10), *range(20, 26)])
+  _write_scored(paper / "x_s0", 10, range(11))
+  _write_scored(paper / "x_s1", 10, range(12))
+  _write_scored(paper / "y_s0", 10, range(10))  # one seed only
+  runs = ex.load_runs(tmp_path, "paper")
+  assert runs[0].scores["rl"]["t15"] == 1.0 and runs[0].scores["sft"]["t15"] == 0.0
+  row = ex.paired_row(runs, "x", "ref")
+  assert row.label == "ref - x" and row.higher == "ref"
+  assert [s[:4] for s in row.per_seed] == [(0, 5 / 32, 5, 0), (1, 4 / 32, 6, 2)]
+  assert row.per_seed[0][4] == pytest.approx(2 * 0.5**5)  # exact McNemar, 5 gained 0 lost
+  assert row.pooled.difference == pytest.approx(9 / 64)
+  rl = ex.paired_row(runs, "ref", "ref", "sft", "rl")
+  assert rl.label == "ref: rl - sft" and rl.higher == "rl"
+  assert rl.pooled.p_value == pytest.approx(2 / 2**12)  # 12 tasks gained, none lost
+  text = ex.paired_tables(runs, {"Main": ("ref", ["ref", "x", "y", "missing"])})
+  lines = text.splitlines()
+  assert lines[0] == "### Paired tests: Main"
+  ref_x = next(l for l in lines if l.startswith("| ref - x |"))
+  assert "s0: +0.156 (5/0, 0.062); s1: +0.125 (6/2, 0.29)" in ref_x
+  assert "| ref - missing | 0 | – |" in text  # an arm without runs still gets its row
+  # The spread is pooled over the comparisons with two seeds: ref - x alone here.
+  sd = abs(5 / 32 - 4 / 32) / math.sqrt(2)
+  assert f"is {sd:.3f} (1 degrees of freedom)" in text
+  assert "### Paired tests: RL against the SFT warm start it began from" in text
+  assert "| ref: rl - sft | 2 |" in text and "| y: rl - sft | 1 |" in text
+  verdicts = {l.split(" | ")[0][2:]: l.split(" | ")[-1].rstrip(" |") for l in lines
+              if l.startswith("| ") and " - " in l and "| 0 |" not in l}
+  # rl - sft for ref: 12 tasks, 6 at each seed, consistent: higher across seeds.
+  assert verdicts["ref: rl - sft"] == "rl higher across seeds"
+  # ref - y: one seed, 6 gained 0 lost (p = 0.031); at the pooled spread's 1 degree of
+  # freedom the interval over seeds still covers 0, and so does ref - x's (11 gained, 2
+  # lost over both seeds: separated on these runs).
+  on_these_runs = "ref higher on these runs; across seeds not separable (≈ 3 seeds)"
+  assert verdicts["ref - y"] == verdicts["ref - x"] == on_these_runs
+
+
 def test_summary_table_means_and_sample_std_over_seeds(results):
   runs = ex.load_runs(results, "paper")
   rows = ex.summarize(runs, ["rl/accuracy", "rl/num_tasks"], arms=["a", "b", "z"])

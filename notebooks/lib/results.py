@@ -6,11 +6,13 @@ import dataclasses
 import json
 import math
 import pathlib
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lib.arms import RUN_DIR, Arm
+from tree_rl import stats
 
 FINISHED_MARKER = "arm.json"
 # "train/<key>" of a run is the mean of its last TAIL_STEPS RL steps' values: one step's
@@ -34,6 +36,8 @@ class Run:
       "rl_minus_sft/<metric>" (what RL changed, per seed, on the same held-out tasks, for
       each metric both evals report), "train/<key>" (the mean of the last TAIL_STEPS RL
       steps' finite values of each logged key) and "wall_s" (phases.txt's wall time).
+    scores: stage -> task id -> the fraction of the task's episodes that were correct
+      (0 or 1 in a greedy eval), from eval_<stage>.json: what paired tests compare.
     history: metrics.jsonl's rows in order (RL steps, SFT steps and evals, see `phase`).
     finished: `is_finished`; an unfinished run's numbers are as far as it got.
   """
@@ -46,6 +50,7 @@ class Run:
   final: dict[str, float]
   history: list[dict[str, Any]]
   config: dict[str, Any]
+  scores: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -98,13 +103,16 @@ def load_run(path: str | pathlib.Path) -> Run | None:
       for key, value in row.items():
         if key.startswith("eval/") and _number(value) is not None:
           final[f"{phase[5:]}/{key[5:]}"] = _number(value)
+  scores: dict[str, dict[str, float]] = {}
   for eval_path in sorted(path.glob("eval_*.json")):
     report = read_json(eval_path)
     metrics = report.get("metrics") if report else None
+    stage = eval_path.stem[len("eval_"):]
     if isinstance(metrics, dict):
-      stage = eval_path.stem[len("eval_"):]
       final.update({f"{stage}/{k}": _number(v) for k, v in metrics.items()
                     if _number(v) is not None})
+    if report and (by_task := _task_scores(report.get("episodes"))):
+      scores[stage] = by_task
   for key in [k[len("rl/"):] for k in final if k.startswith("rl/")]:
     if f"sft/{key}" in final:  # paired: the same held-out tasks
       final[f"rl_minus_sft/{key}"] = final[f"rl/{key}"] - final[f"sft/{key}"]
@@ -124,7 +132,19 @@ def load_run(path: str | pathlib.Path) -> Run | None:
     return None
   return Run(paper=str(meta.get("paper") or path.parent.name), arm=arm, seed=seed, path=path,
              finished=is_finished(path), final=final, history=history,
-             config=read_json(path / "config.json") or {})
+             config=read_json(path / "config.json") or {}, scores=scores)
+
+
+def _task_scores(episodes: Any) -> dict[str, float]:
+  """task id -> mean correctness of an eval report's episodes; {} if they are unreadable."""
+  if not isinstance(episodes, list):
+    return {}
+  hits: dict[str, list[float]] = {}
+  for episode in episodes:
+    if not isinstance(episode, dict) or not isinstance(episode.get("correct"), bool):
+      return {}
+    hits.setdefault(str(episode.get("task_id")), []).append(float(episode["correct"]))
+  return {task: sum(v) / len(v) for task, v in hits.items()}
 
 
 def load_runs(root: str | pathlib.Path, paper: str) -> list[Run]:
@@ -214,6 +234,155 @@ def summary_table(runs: Sequence[Run], columns: Sequence[str],
     lines.append(f"| {row.arm} | {row.runs} | "
                  + " | ".join(_cell(row.cells[c], row.runs, digits) for c in columns) + " |")
   return "\n".join(lines)
+
+
+# ============================== Paired tests ==============================
+#
+# Arms of a comparison start from the same warm start at each seed and are scored on the
+# same held-out tasks, so they are compared task by task (tree_rl.stats): per seed, the exact
+# McNemar p; over seeds, a sign-flip test and a bootstrap interval over tasks (these runs'
+# policies), and a t-interval over seeds (what another seed would do). The spread of
+# per-seed differences is pooled over all of a notebook's comparisons of one kind (two seeds
+# alone say little about a spread); the power figures say how many seeds a gap of
+# POWER_GAP_TASKS tasks needs at that spread.
+
+POWER_GAP_TASKS = 3
+ALPHA = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRow:
+  """One comparison over seeds (see `paired_row`): `higher` names what the difference
+  measures, b's arm or, for one arm's two evals, its later stage."""
+
+  label: str
+  higher: str
+  per_seed: tuple[tuple[int, float, int, int, float], ...]  # seed, diff, gained, lost, p
+  pooled: stats.PooledComparison | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+  """The per-seed differences' standard deviation pooled over comparisons, its degrees of
+  freedom and the median task count (NaN, 0, 0 when no comparison has two seeds)."""
+
+  sd: float
+  dof: int
+  tasks: float
+
+  @classmethod
+  def of(cls, rows: Sequence[PairedRow]) -> Spread:
+    sd, dof = stats.pooled_sd([r.pooled.seed_differences for r in rows if r.pooled])
+    tasks = [r.pooled.tasks for r in rows if r.pooled]
+    return cls(sd, dof, statistics.median(tasks) if tasks else 0)
+
+  def seeds_for(self, tasks: float) -> int:
+    """Seeds for 80% power at a gap of `tasks` tasks (paired t-test, two-sided ALPHA)."""
+    return stats.seeds_for_power(self.sd, tasks / self.tasks, alpha=ALPHA)
+
+  def describe(self) -> str:
+    if not self.dof:
+      return "no comparison has two seeds, so the spread over seeds is unknown."
+    return (f"the per-seed differences' standard deviation, pooled over these comparisons, is "
+            f"{self.sd:.3f} ({self.dof} degrees of freedom). At that spread a paired t-test "
+            f"over seeds (two-sided, α = {ALPHA}) has 80% power for a {POWER_GAP_TASKS}-task "
+            f"gap ({POWER_GAP_TASKS / self.tasks:.3f}) at {self.seeds_for(POWER_GAP_TASKS)} "
+            f"seeds, for a 1-task gap at {self.seeds_for(1)}.")
+
+
+def _pair(run_a: Run, stage_a: str, run_b: Run, stage_b: str
+          ) -> tuple[dict[str, float], dict[str, float]] | None:
+  a, b = run_a.scores.get(stage_a), run_b.scores.get(stage_b)
+  return (a, b) if a and b and set(a) == set(b) else None
+
+
+def paired_row(runs: Sequence[Run], a: Arm | str, b: Arm | str, stage_a: str = "rl",
+               stage_b: str = "rl") -> PairedRow:
+  """b's `stage_b` eval against a's `stage_a` eval, paired on tasks at each seed both arms
+  finished with those evals on the same tasks (a = b with stages "sft", "rl": what RL
+  changed)."""
+  a, b = _arm_names([a], runs)[0], _arm_names([b], runs)[0]
+  by_seed = {(r.arm, r.seed): r for r in runs if r.finished}
+  pairs, per_seed = [], []
+  for seed in sorted({r.seed for r in runs}):
+    pair = (_pair(by_seed[a, seed], stage_a, by_seed[b, seed], stage_b)
+            if (a, seed) in by_seed and (b, seed) in by_seed else None)
+    if pair:
+      one = stats.compare_over_seeds([pair])
+      gained = sum(pair[1][t] > pair[0][t] for t in pair[0])
+      lost = sum(pair[1][t] < pair[0][t] for t in pair[0])
+      pairs.append(pair)
+      per_seed.append((seed, one.difference, gained, lost, one.p_value))
+  same = a == b
+  return PairedRow(label=f"{b}: {stage_b} - {stage_a}" if same else f"{b} - {a}",
+                   higher=stage_b if same else b, per_seed=tuple(per_seed),
+                   pooled=stats.compare_over_seeds(pairs) if pairs else None)
+
+
+def verdict(row: PairedRow, spread: Spread) -> str:
+  """Which side is higher, or that the comparison cannot separate them at α = ALPHA:
+  "across seeds" when the t-interval over seeds (at the pooled `spread`) excludes 0; "on
+  these runs" when only the test over tasks rejects (these seeds' policies differ; another
+  seed's may not); else the seeds a POWER_GAP_TASKS-task gap needs at `spread`."""
+  pooled = row.pooled
+  sign = "higher" if pooled.difference > 0 else "lower"
+  low, high = stats.seed_interval(pooled.seed_differences, spread.sd, spread.dof,
+                                  level=1 - ALPHA)
+  if low > 0 or high < 0:
+    return f"{row.higher} {sign} across seeds"
+  needs = f"≈ {spread.seeds_for(POWER_GAP_TASKS)} seeds" if spread.dof else "spread unknown"
+  if pooled.p_value < ALPHA:
+    return f"{row.higher} {sign} on these runs; across seeds not separable ({needs})"
+  return f"not separable ({needs})"
+
+
+def paired_table(rows: Sequence[PairedRow], spread: Spread | None = None) -> str:
+  """`paired_row`s as a markdown table. Per seed: the difference, the tasks gained and lost,
+  the exact McNemar p (the sign-flip p of fractional scores). Over seeds: the mean
+  difference; its 95% bootstrap interval over tasks and the sign-flip p over tasks (these
+  runs held fixed); its 95% t-interval over seeds at `spread` (default: the rows' own
+  pooled spread); and the `verdict`."""
+  spread = spread or Spread.of(rows)
+  lines = ["| comparison | n | per seed: diff (gained/lost, McNemar p) | mean diff | "
+           "95% CI, tasks | p, tasks | 95% CI, seeds | at α = 0.05 |",
+           "|---|---:|---|---:|---|---:|---|---|"]
+  for row in rows:
+    if row.pooled is None:
+      lines.append(f"| {row.label} | 0 | – | – | – | – | – | – |")
+      continue
+    pooled = row.pooled
+    seeds = "; ".join(f"s{s}: {d:+.3f} ({g}/{l}, {p:.2g})" for s, d, g, l, p in row.per_seed)
+    low, high = stats.seed_interval(pooled.seed_differences, spread.sd, spread.dof,
+                                    level=1 - ALPHA)
+    over_seeds = f"[{low:+.3f}, {high:+.3f}]" if math.isfinite(low) else "–"
+    lines.append(f"| {row.label} | {pooled.seeds} | {seeds} | {pooled.difference:+.3f} | "
+                 f"[{pooled.ci_low:+.3f}, {pooled.ci_high:+.3f}] | {pooled.p_value:.2g} | "
+                 f"{over_seeds} | {verdict(row, spread)} |")
+  return "\n".join(lines)
+
+
+def paired_tables(runs: Sequence[Run],
+                  comparisons: Mapping[str, tuple[Arm | str, Sequence[Arm | str]]]) -> str:
+  """The paired tests of a notebook: per comparison ({title: (reference, arms)}), the
+  reference against each other arm on the final eval; then, once per arm, what RL changed
+  (its final eval against its SFT warm start's, on the same tasks). Each kind's spread over
+  seeds is pooled over all its rows."""
+  versus = {title: [paired_row(runs, other, ref) for other in _arm_names(arms, runs)
+                    if other != ref]
+            for title, (reference, arms) in comparisons.items()
+            for ref in [_arm_names([reference], runs)[0]]}
+  names = list(dict.fromkeys(n for reference, arms in comparisons.values()
+                             for n in _arm_names([reference, *arms], runs)))
+  rl = [paired_row(runs, n, n, "sft", "rl") for n in names]
+  unique = {r.label: r for rows in versus.values() for r in rows}  # an arm in two comparisons
+  spread = Spread.of(list(unique.values()))
+  parts = [f"### Paired tests: {title}\n\n{paired_table(rows, spread)}"
+           for title, rows in versus.items()]
+  parts.append(f"Power, arm against arm: {spread.describe()}")
+  rl_spread = Spread.of(rl)
+  parts.append(f"### Paired tests: RL against the SFT warm start it began from\n\n"
+               f"{paired_table(rl, rl_spread)}\n\nPower, RL against SFT: {rl_spread.describe()}")
+  return "\n\n".join(parts)
 
 
 # ============================== Plots ==============================
@@ -320,11 +489,15 @@ def plot_columns(runs: Sequence[Run], columns: Sequence[str], path: str | pathli
 
 
 def write_tables(runs: Sequence[Run], folder: str | pathlib.Path, heading: str,
-                 sections: Mapping[str, tuple[Sequence[Arm], Sequence[str]]]) -> str:
-  """One `summary_table` per section ({title: (arms, columns)}) under `heading`, written to
+                 sections: Mapping[str, tuple[Sequence[Arm], Sequence[str]]],
+                 paired: Mapping[str, tuple[Arm, Sequence[Arm]]] | None = None) -> str:
+  """One `summary_table` per section ({title: (arms, columns)}), then the `paired_tables` of
+  the comparisons in `paired` ({title: (reference arm, arms)}), under `heading`, written to
   `<folder>/tables.md`; returns the sections' markdown."""
-  tables = "\n\n".join(f"### {title}\n\n{summary_table(runs, columns, arms)}"
-                       for title, (arms, columns) in sections.items())
+  tables = "\n\n".join(
+      [f"### {title}\n\n{summary_table(runs, columns, arms)}"
+       for title, (arms, columns) in sections.items()]
+      + ([paired_tables(runs, paired)] if paired else []))
   folder = pathlib.Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "tables.md").write_text(f"## {heading}\n\n{tables}\n", encoding="utf-8")
