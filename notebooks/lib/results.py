@@ -343,7 +343,7 @@ def paired_table(rows: Sequence[PairedRow], spread: Spread | None = None) -> str
   runs held fixed); its 95% t-interval over seeds at `spread` (default: the rows' own
   pooled spread); and the `verdict`."""
   spread = spread or Spread.of(rows)
-  lines = ["| comparison | n | per seed: diff (gained/lost, McNemar p) | mean diff | "
+  lines = ["| comparison | n | per seed: diff (gained/lost, exact p) | mean diff | "
            "95% CI, tasks | p, tasks | 95% CI, seeds | at α = 0.05 |",
            "|---|---:|---|---:|---|---:|---|---|"]
   for row in rows:
@@ -361,24 +361,28 @@ def paired_table(rows: Sequence[PairedRow], spread: Spread | None = None) -> str
   return "\n".join(lines)
 
 
-def paired_tables(runs: Sequence[Run],
-                  comparisons: Mapping[str, tuple[Arm | str, Sequence[Arm | str]]]) -> str:
-  """The paired tests of a notebook: per comparison ({title: (reference, arms)}), the
-  reference against each other arm on the final eval; then, once per arm, what RL changed
-  (its final eval against its SFT warm start's, on the same tasks). Each kind's spread over
-  seeds is pooled over all its rows."""
-  versus = {title: [paired_row(runs, other, ref) for other in _arm_names(arms, runs)
-                    if other != ref]
-            for title, (reference, arms) in comparisons.items()
-            for ref in [_arm_names([reference], runs)[0]]}
-  names = list(dict.fromkeys(n for reference, arms in comparisons.values()
+def paired_tables(runs: Sequence[Run], comparisons: Mapping[str, tuple]) -> str:
+  """The paired tests of a notebook: per comparison ({title: (reference, arms)} or
+  {title: (reference, arms, stage)}; stage "rl", the final greedy eval, by default), the
+  reference against each other arm on that eval; then, once per arm, what RL changed (its
+  final eval against its SFT warm start's, on the same tasks). The spread over seeds is
+  pooled over all rows of one stage, and over the RL-against-SFT rows."""
+  versus: dict[str, tuple[str, list[PairedRow]]] = {}
+  for title, (reference, arms, *stage) in comparisons.items():
+    ref, stage = _arm_names([reference], runs)[0], (stage or ["rl"])[0]
+    versus[title] = (stage, [paired_row(runs, other, ref, stage, stage)
+                             for other in _arm_names(arms, runs) if other != ref])
+  parts = []
+  for stage in dict.fromkeys(stage for stage, _ in versus.values()):
+    # An arm in two comparisons counts once in the spread.
+    unique = {r.label: r for st, rows in versus.values() if st == stage for r in rows}
+    spread = Spread.of(list(unique.values()))
+    parts += [f"### Paired tests: {title}\n\n{paired_table(rows, spread)}"
+              for title, (st, rows) in versus.items() if st == stage]
+    parts.append(f"Power, arm against arm on the {stage} eval: {spread.describe()}")
+  names = list(dict.fromkeys(n for reference, arms, *_ in comparisons.values()
                              for n in _arm_names([reference, *arms], runs)))
   rl = [paired_row(runs, n, n, "sft", "rl") for n in names]
-  unique = {r.label: r for rows in versus.values() for r in rows}  # an arm in two comparisons
-  spread = Spread.of(list(unique.values()))
-  parts = [f"### Paired tests: {title}\n\n{paired_table(rows, spread)}"
-           for title, rows in versus.items()]
-  parts.append(f"Power, arm against arm: {spread.describe()}")
   rl_spread = Spread.of(rl)
   parts.append(f"### Paired tests: RL against the SFT warm start it began from\n\n"
                f"{paired_table(rl, rl_spread)}\n\nPower, RL against SFT: {rl_spread.describe()}")
@@ -490,10 +494,10 @@ def plot_columns(runs: Sequence[Run], columns: Sequence[str], path: str | pathli
 
 def write_tables(runs: Sequence[Run], folder: str | pathlib.Path, heading: str,
                  sections: Mapping[str, tuple[Sequence[Arm], Sequence[str]]],
-                 paired: Mapping[str, tuple[Arm, Sequence[Arm]]] | None = None) -> str:
+                 paired: Mapping[str, tuple] | None = None) -> str:
   """One `summary_table` per section ({title: (arms, columns)}), then the `paired_tables` of
-  the comparisons in `paired` ({title: (reference arm, arms)}), under `heading`, written to
-  `<folder>/tables.md`; returns the sections' markdown."""
+  the comparisons in `paired` ({title: (reference arm, arms[, stage])}), under `heading`,
+  written to `<folder>/tables.md`; returns the sections' markdown."""
   tables = "\n\n".join(
       [f"### {title}\n\n{summary_table(runs, columns, arms)}"
        for title, (arms, columns) in sections.items()]
