@@ -132,6 +132,7 @@ SECTIONS = {"Main comparison": MAIN, "Discount γ (default 0.95)": GAMMA,
             "Advantage weighting (default: Theorem 3.1)": WEIGHTING,
             "Step-reward rule G (default: adaptive)": G_RULE}
 PAIRED = {title: (PORTOOL, arms) for title, arms in SECTIONS.items()}  # PORTool against each
+PAIRED["Formatting reward (GRPO_fm against GRPO)"] = (MAIN[2], MAIN[1:3])
 TABLES = ex.write_tables(runs, ROOT / PAPER, f"PORTool ({SCALE})",
                          {t: (arms, COLUMNS) for t, arms in SECTIONS.items()}, PAIRED)
 ex.show(TABLES)
