@@ -4,11 +4,14 @@
   python launch/evaluate.py --model=/tmp/apppo_hf --task=toolworld --num_tasks=32
 
   python launch/evaluate.py --model=/tmp/apppo --samples=5  # pass@1..5, sampled
+  python launch/evaluate.py --model=/tmp/apppo --split=train --task_ids=3,17 --samples=8
 
 `--model` is a run directory (config.json + checkpoints) or an HF folder. Decoding is
 greedy with the embedded JAX sampler; with `--samples=K` (a run directory) each held-out
 task gets K episodes sampled as the run's rollouts are (its temperature, top-p, top-k and
-seed), so pass@1..K are defined. Prints the metric table and writes JSON to --out.
+seed), so pass@1..K are defined. `--split=train` scores the run's own training tasks
+instead (`--task_ids` picks some; default: the run's rollout.task_ids, else all). Prints the
+metric table and writes JSON to --out.
 """
 
 import pathlib
@@ -27,8 +30,21 @@ _TURNS = flags.DEFINE_integer("max_turns", None, "Steps per episode (default: th
                               "family's own limit, as the trainer evaluates).")
 _SAMPLES = flags.DEFINE_integer("samples", 0, "Episodes per task sampled at the run's rollout "
                                 "settings, for pass@1..N (a run directory; its own tasks).")
+_SPLIT = flags.DEFINE_enum("split", "eval", ["eval", "train"], "Held-out tasks, or the run's "
+                           "own training tasks (a run directory).")
+_IDS = flags.DEFINE_list("task_ids", None, "With --split=train: training-task indices "
+                         "(default: the run's rollout.task_ids, else all).")
 _OUT = flags.DEFINE_string("out", "", "Write the report JSON here.")
 flags.mark_flags_as_required(["model"])
+
+
+def _task_ids() -> list[int] | None:
+  if _IDS.value is None:
+    return None
+  try:
+    return [int(i) for i in _IDS.value]
+  except ValueError:
+    raise app.UsageError(f"--task_ids={','.join(_IDS.value)} must be integers") from None
 
 
 def main(argv):
@@ -48,7 +64,8 @@ def main(argv):
                          f"drop {', '.join(given)}")
   report = evaluate_policy_folder(_MODEL.value, task=_TASK.value, num_tasks=_NUM.value,
                                   seed=_SEED.value, max_new_tokens=_MAX_NEW.value,
-                                  max_turns=_TURNS.value, num_samples=_SAMPLES.value)
+                                  max_turns=_TURNS.value, num_samples=_SAMPLES.value,
+                                  split=_SPLIT.value, task_ids=_task_ids())
   print(report.table())
   if _OUT.value:
     report.to_json(_OUT.value)

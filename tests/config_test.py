@@ -272,3 +272,19 @@ def test_per_minibatch_branching_is_one_rule_checked_with_the_config():
     setattr(c[section] if section else c, name, value)
     if field != "rollout.dynamic_sampling":  # per step, each of these runs
       RunConfig.from_config_dict(c)
+
+
+def test_rollout_task_ids_pick_the_rl_prompts_from_the_train_split():
+  c = common.base_config()
+  c.rollout.task_ids = [5, 2]  # a list, as JSON and the absl flags give it
+  r = RunConfig.from_config_dict(c).rollout
+  assert r.task_ids == (5, 2)
+  assert r.rl_tasks(list("abcdefg")) == ["f", "c"]  # in the pool's order
+  assert RunConfig.from_config_dict(common.base_config()).rollout.rl_tasks("abc") == list("abc")
+  for ids, match in (((1, 1), r"repeats an index \(\[1\]\)"), ((-1,), "ints >= 0"),
+                     ((True,), "ints >= 0"),
+                     ((256,), r"index 256, but .*num_train_tasks=256")):
+    c = common.base_config().to_dict()  # a plain dict, as config.json gives it back
+    c["rollout"]["task_ids"] = list(ids)
+    with pytest.raises(ValueError, match=rf"config\.rollout\.task_ids.*{match}"):
+      RunConfig.from_config_dict(c)

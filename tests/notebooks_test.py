@@ -22,10 +22,11 @@ import lib as ex  # noqa: E402
 from configs import common  # noqa: E402
 from lib import arms, running  # noqa: E402
 
-PAPERS = ("appo", "awpo", "portool", "trace")
-# The arms each notebook runs at the smoke scale: its main comparison's first two.
+PAPERS = ("appo", "awpo", "control", "portool", "trace")
+# The arms each notebook runs at the smoke scale: its main comparison's first two (the
+# positive control has one).
 SMOKE_ARMS = {"portool": ("portool", "grpo"), "appo": ("appo", "grpo"),
-              "awpo": ("awpo", "grpo"), "trace": ("trace", "grpo")}
+              "awpo": ("awpo", "grpo"), "trace": ("trace", "grpo"), "control": ("grpo_pool",)}
 
 
 # ============================== The .ipynb files ==============================
@@ -147,6 +148,16 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path, jax_cache_
   assert f"| {SMOKE_ARMS[paper][0]} | 1 |" in tables
   pngs = list((tmp_path / paper).glob("*.png"))
   assert len(pngs) >= 3 and all(p.stat().st_size > 0 for p in pngs)
+  if paper == "control":  # the pool, screened, then scored before and after RL
+    screen = json.loads((tmp_path / paper / "screen_s0.json").read_text())
+    assert screen["metrics"]["num_episodes"] == 2 * screen["metrics"]["num_tasks"] == 8
+    run = tmp_path / paper / "grpo_pool_s0"
+    pool = json.loads((run / "config.json").read_text())["rollout"]["task_ids"]
+    assert pool == [0, 1]  # the smoke band admits every screened task; the first two
+    for name in ("eval_pool.json", "eval_sft_pool.json"):
+      ids = [e["task_id"] for e in json.loads((run / name).read_text())["episodes"]]
+      assert ids == ["toolworld/train/0/0"] * 2 + ["toolworld/train/0/1"] * 2, name
+    assert "| grpo_pool: pool - sft_pool | 1 |" in tables and "| 0 | " in tables
   if paper == "appo":  # the main arms' sampled eval: pass@1..5 in the table
     sampled = json.loads((tmp_path / paper / "appo_s0" / "eval_sampled.json").read_text())
     assert sampled["metrics"]["num_episodes"] == 5 * sampled["metrics"]["num_tasks"]

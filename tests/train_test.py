@@ -431,6 +431,18 @@ def test_export_hf_loads_in_transformers_and_evaluates_the_same(tmp_path):
     evaluate_policy_folder(str(out), num_samples=2)
   with pytest.raises(ValueError, match=r"drop \['num_tasks'\]"):
     evaluate_policy_folder(str(run), num_samples=2, num_tasks=1)
+  # --split=train: the run's own training tasks (these two, sampled as its rollouts are).
+  t = evaluate_policy_folder(str(run), split="train", task_ids=[3, 0], num_samples=2)
+  assert [e.task_id for e in t.episodes] == ["toolworld/train/0/3"] * 2 + [
+      "toolworld/train/0/0"] * 2
+  with pytest.raises(ValueError, match=r"task_ids \[9999\] are outside the run's train split"):
+    evaluate_policy_folder(str(run), split="train", task_ids=[9999])
+  with pytest.raises(ValueError, match=r"split='train' .* drop \['seed'\]"):
+    evaluate_policy_folder(str(run), split="train", seed=1)
+  with pytest.raises(ValueError, match="split=train needs a run's settings"):
+    evaluate_policy_folder(str(out), split="train")
+  with pytest.raises(ValueError, match="task_ids selects training tasks"):
+    evaluate_policy_folder(str(run), task_ids=[0])
 
 
 @pytest.mark.e2e

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tree_rl.algos import registry
@@ -211,6 +211,10 @@ class RolloutSpec:
   # or does not fit the largest token bucket is dropped, logged and counted; more than this
   # fraction of a step's trees dropped stops the run, naming them.
   max_bad_tree_fraction: float = 0.25
+  # RL prompts come only from these indices of the train split, in this order (cyclically):
+  # a fixed pool, such as the positive control's prompts of middling SFT pass rate
+  # (notebooks/control.py). Empty: every train task. SFT demonstrations use the whole split.
+  task_ids: tuple | list = ()  # a list from JSON; kept as a tuple
 
   def _check_fleet(self) -> None:
     """The fleet can split this rollout; Ray's per-worker settings only with backend='ray'."""
@@ -225,6 +229,10 @@ class RolloutSpec:
       if self.backend != "ray" and v != default:
         raise ValueError(f"config.rollout.{name}={v!r} applies to Ray workers only; set "
                          f"rollout.backend='ray' or leave it at {default}")
+
+  def rl_tasks(self, train_tasks: Sequence[Any]) -> list[Any]:
+    """The tasks RL prompts come from, in order: `task_ids`' of the train split, else all."""
+    return [train_tasks[i] for i in self.task_ids] if self.task_ids else list(train_tasks)
 
   def learner_memory_share(self) -> float | None:
     """The fraction of GPU memory JAX may take in this run (None: JAX's own default)."""
@@ -263,6 +271,15 @@ class RolloutSpec:
       raise ValueError(f"config.rollout.max_bad_tree_fraction={f!r} must be a number in [0, 1)")
     self._check_memory_shares()
     self._check_fleet()
+    ids = self.task_ids
+    if not isinstance(ids, (tuple, list)) or any(
+        isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+      raise ValueError(f"config.rollout.task_ids={ids!r} must be a tuple of train-task indices "
+                       f"(ints >= 0; empty: every train task)")
+    if len(set(ids)) != len(ids):
+      raise ValueError(f"config.rollout.task_ids={ids!r} repeats an index "
+                       f"({sorted(i for i in set(ids) if ids.count(i) > 1)})")
+    object.__setattr__(self, "task_ids", tuple(ids))  # a list from JSON or ml_collections
     if not isinstance(self.dynamic_sampling, bool):
       raise ValueError(f"config.rollout.dynamic_sampling={self.dynamic_sampling!r} must be a bool")
     rounds = self.dynamic_sampling_extra_rounds
@@ -569,6 +586,10 @@ class RunConfig:
   def __post_init__(self):
     if self.num_steps < 0:  # 0: the base eval and SFT (with its eval) only, e.g. a warm start
       raise ValueError(f"config.num_steps={self.num_steps} must be >= 0")
+    if self.rollout.task_ids and max(self.rollout.task_ids) >= self.task.num_train_tasks:
+      raise ValueError(f"config.rollout.task_ids has index {max(self.rollout.task_ids)}, but "
+                       f"the train split holds task.num_train_tasks={self.task.num_train_tasks} "
+                       f"tasks (indices 0..{self.task.num_train_tasks - 1})")
     _positive("", prompts_per_step=self.prompts_per_step,
               ckpt_every_steps=self.ckpt_every_steps, keep_checkpoints=self.keep_checkpoints)
     if self.algo.estimator == "awpo" and not self.judge.kind:

@@ -280,9 +280,11 @@ def replay_oracle_policy(tasks: Sequence[Task]) -> Policy:
 def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: int | None = None,
                            seed: int | None = None, max_new_tokens: int | None = None,
                            max_context_tokens: int = 4096, rows: int | None = None,
-                           max_turns: int | None = None, num_samples: int = 0) -> EvalReport:
-  """Evaluation of a run directory's latest checkpoint or of an HF folder on held-out tasks,
-  with the embedded JaxSampler.
+                           max_turns: int | None = None, num_samples: int = 0,
+                           split: str = "eval", task_ids: Sequence[int] | None = None
+                           ) -> EvalReport:
+  """Evaluation of a run directory's latest checkpoint or of an HF folder on held-out tasks
+  (or on a run's own training tasks), with the embedded JaxSampler.
 
   Run directories default to their own task family, held-out size, seed, step length,
   context and cache rows, so the numbers match the trainer's own evaluation of that
@@ -302,13 +304,20 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     num_samples: 0 decodes greedily, one episode per task. K > 0 (a run directory, on its
       own tasks and settings) samples K episodes per task as the run's rollouts are (its
       temperature, top-p, top-k and seed), and the report has pass@1..K.
+    split: "eval", the held-out tasks; "train" (a run directory), the run's own training
+      tasks (task.num_train_tasks drawn with task.seed), e.g. to measure what RL did on
+      the prompts it trained on.
+    task_ids: with split "train", the indices of the training tasks to score (None: the
+      run's rollout.task_ids, else all of them).
 
   Returns:
     The report (`evaluate`).
 
   Raises:
     ValueError: num_samples < 0; num_samples > 0 with an HF folder, or with any of task,
-      num_tasks, seed, max_new_tokens, max_turns given.
+      num_tasks, seed, max_new_tokens, max_turns given; an unknown split; split "train"
+      with an HF folder, with task, num_tasks or seed given, or with a task id outside the
+      run's train split; task_ids with split "eval".
     FileNotFoundError: `model` is neither a run directory nor an HF folder.
   """
   import pathlib
@@ -325,6 +334,11 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
 
   if num_samples < 0:
     raise ValueError(f"num_samples={num_samples} must be >= 0")
+  if split not in ("eval", "train"):
+    raise ValueError(f"split={split!r} must be 'eval' (held-out tasks) or 'train' (the run's "
+                     f"own training tasks)")
+  if task_ids is not None and split != "train":
+    raise ValueError("task_ids selects training tasks: it needs split='train'")
   path = pathlib.Path(model)
   family_kwargs, engine_seed, params = {}, 0, None
   if (path / "checkpoints").is_dir():
@@ -341,6 +355,16 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
       params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens)
       engine_seed = cfg.seed
+    if split == "train":
+      given = [n for n, v in (("task", task), ("num_tasks", num_tasks), ("seed", seed))
+               if v is not None]
+      if given:
+        raise ValueError(f"split='train' scores the run's own training tasks; drop {given}")
+      ids = list(cfg.rollout.task_ids if task_ids is None else task_ids)
+      bad = [i for i in ids if not 0 <= i < cfg.task.num_train_tasks]
+      if bad:
+        raise ValueError(f"task_ids {bad} are outside the run's train split (indices 0.."
+                         f"{cfg.task.num_train_tasks - 1})")
     task = task or cfg.task.family
     family_kwargs = dict(cfg.task.kwargs) if task == cfg.task.family else {}
     num_tasks = num_tasks or cfg.task.num_eval_tasks
@@ -348,9 +372,10 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     max_new_tokens = max_new_tokens or cfg.rollout.max_new_tokens
     max_context_tokens = cfg.rollout.max_context_tokens
     rows = rows or cfg.rollout.cache_rows
-  elif num_samples:
-    raise ValueError(f"num_samples={num_samples} samples at a run's rollout settings: "
-                     f"--model={model} must be a run directory (checkpoints/)")
+  elif num_samples or split == "train":
+    raise ValueError(f"{'split=train' if split == 'train' else f'num_samples={num_samples}'} "
+                     f"needs a run's settings: --model={model} must be a run directory "
+                     f"(checkpoints/)")
   elif (path / "config.json").is_file():
     policy = hf_io.load_hf(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -358,7 +383,11 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
     raise FileNotFoundError(f"--model={model} is neither a run directory (checkpoints/) nor an "
                             f"HF folder (config.json)")
   family = make_family(task or "toolworld", **family_kwargs)
-  tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
+  if split == "train":
+    tasks = family.generate("train", cfg.task.num_train_tasks, cfg.task.seed)
+    tasks = [tasks[i] for i in ids] if ids else tasks
+  else:
+    tasks = family.generate("eval", num_tasks or 32, 0 if seed is None else seed)
   chat = ChatFormat.from_tokenizer(tokenizer)
   engine = make_engine(EngineSpec(rows=rows or 16, slots=max_context_tokens, seed=engine_seed),
                        policy, tokenizer, chat.eos_ids)

@@ -359,7 +359,7 @@ def train_and_evaluate(config: Any, workdir: str, allow_config_change: bool = Fa
                      evaluator(f"step{start}", stop))
     # S = 0: each step's trees are grown when asked for; S > 0: a producer thread runs ahead.
     pipeline = RolloutPipeline(
-        StepProducer(rollout, train_tasks, cfg.prompts_per_step, base_key,
+        StepProducer(rollout, r.rl_tasks(train_tasks), cfg.prompts_per_step, base_key,
                      grown_in_step=learner.branch_between, mixed_channels=mixed,
                      extra_rounds=r.dynamic_sampling_extra_rounds),
         start + 1, cfg.num_steps, run.data_position, r.max_staleness)

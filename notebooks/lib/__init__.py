@@ -9,7 +9,7 @@ as `lib`.
 
 - `lib.arms`: `Arm`, the scales, the results root and each arm's config.
 - `lib.running`: `run_arm` / `run_arms`, which train each (arm, seed) in its own folder as
-  a `launch/train.py` process.
+  a `launch/train.py` process, and `screen`, a warm start's pass rate on training tasks.
 - `lib.results`: `load_runs`, the tables over seeds, the paired tests and the plots.
 """
 
@@ -18,9 +18,10 @@ from lib.arms import (GPU_MODEL_ENV, RESULTS_ENV, SCALES, Arm, build_config, che
 from lib.results import (PairedRow, Run, Spread, Stat, curve, is_finished, load_run, load_runs,
                          paired_row, paired_table, paired_tables, plot_bars, plot_columns,
                          plot_curves, show, summarize, summary_table, write_tables)
-from lib.running import provenance, run_arm, run_arms
+from lib.running import provenance, run_arm, run_arms, screen
 
 __all__ = ["GPU_MODEL_ENV", "RESULTS_ENV", "SCALES", "Arm", "PairedRow", "Run", "Spread", "Stat",
            "build_config", "check_arms", "checked_arms", "curve", "is_finished", "load_run",
-           "load_runs", "paired_row", "paired_table", "paired_tables", "plot_bars", "plot_columns", "plot_curves", "provenance", "results_root", "run_arm",
-           "run_arms", "show", "summarize", "summary_table", "unique_arms", "write_tables"]
+           "load_runs", "paired_row", "paired_table", "paired_tables", "plot_bars", "plot_columns",
+           "plot_curves", "provenance", "results_root", "run_arm", "run_arms", "screen", "show",
+           "summarize", "summary_table", "unique_arms", "write_tables"]

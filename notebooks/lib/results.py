@@ -494,14 +494,17 @@ def plot_columns(runs: Sequence[Run], columns: Sequence[str], path: str | pathli
 
 def write_tables(runs: Sequence[Run], folder: str | pathlib.Path, heading: str,
                  sections: Mapping[str, tuple[Sequence[Arm], Sequence[str]]],
-                 paired: Mapping[str, tuple] | None = None) -> str:
+                 paired: Mapping[str, tuple] | None = None,
+                 extra: Mapping[str, str] | None = None) -> str:
   """One `summary_table` per section ({title: (arms, columns)}), then the `paired_tables` of
-  the comparisons in `paired` ({title: (reference arm, arms[, stage])}), under `heading`,
-  written to `<folder>/tables.md`; returns the sections' markdown."""
+  the comparisons in `paired` ({title: (reference arm, arms[, stage])}), then any `extra`
+  sections ({title: markdown}), under `heading`, written to `<folder>/tables.md`; returns
+  the sections' markdown."""
   tables = "\n\n".join(
       [f"### {title}\n\n{summary_table(runs, columns, arms)}"
        for title, (arms, columns) in sections.items()]
-      + ([paired_tables(runs, paired)] if paired else []))
+      + ([paired_tables(runs, paired)] if paired else [])
+      + [f"### {title}\n\n{text}" for title, text in (extra or {}).items()])
   folder = pathlib.Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
   (folder / "tables.md").write_text(f"## {heading}\n\n{tables}\n", encoding="utf-8")

@@ -28,6 +28,9 @@ from lib.results import FINISHED_MARKER, Run, is_finished, load_run, read_json, 
 KEEP = ("arm.json", "config.json", "metrics.jsonl", "phases.txt", "eval_*.json")
 WARM_DIR = ".warm_starts"
 SAMPLED_EVAL = "eval_sampled.json"  # launch/evaluate.py --samples=k: pass@1..k
+# launch/evaluate.py --split=train --samples=k: the RL policy, and the warm start's, on the
+# training tasks the arm's RL drew from (rollout.task_ids)
+POOL_EVAL, SFT_POOL_EVAL = "eval_pool.json", "eval_sft_pool.json"
 
 
 def run_dir(root: str | pathlib.Path, paper: str, arm: str, seed: int) -> pathlib.Path:
@@ -133,11 +136,17 @@ def train_command(arm: Arm, seed: int, scale: str, workdir: pathlib.Path,
           "--overrides=" + json.dumps({**overrides(arm, seed, scale), **(extra or {})})]
 
 
-def sampled_eval(path: pathlib.Path, num_samples: int) -> None:
+def sampled_eval(path: pathlib.Path, num_samples: int, out: pathlib.Path | None = None,
+                 task_ids: Sequence[int] | None = None) -> None:
   """launch/evaluate.py --samples: the run's latest checkpoint, `num_samples` episodes per
-  held-out task sampled at its rollout settings; writes `SAMPLED_EVAL` (pass@1..k)."""
-  launch(["launch/evaluate.py", f"--model={path}", f"--samples={int(num_samples)}",
-          f"--out={path / SAMPLED_EVAL}"])
+  task sampled at its rollout settings, written to `out` (default `SAMPLED_EVAL`;
+  pass@1..k). The tasks are the held-out ones, or with `task_ids` those training tasks
+  (--split=train)."""
+  args = ["launch/evaluate.py", f"--model={path}", f"--samples={int(num_samples)}",
+          f"--out={out or path / SAMPLED_EVAL}"]
+  if task_ids is not None:
+    args += ["--split=train", "--task_ids=" + ",".join(str(int(i)) for i in task_ids)]
+  launch(args)
 
 
 def _final_stage(config: Any) -> str:
@@ -162,6 +171,38 @@ def _warm_start(paper: str, arm: Arm, seed: int, scale: str, root: pathlib.Path,
   return path
 
 
+def screen(paper: str, warm_start: Arm, seed: int, scale: str, root: str | pathlib.Path,
+           num_tasks: int, num_samples: int, replot_only: bool = False) -> dict[int, float]:
+  """Each of the first `num_tasks` training tasks' pass rate under the `warm_start` arm's
+  policy at `seed` (run first unless finished): `num_samples` episodes per task sampled at
+  its rollout settings (launch/evaluate.py --split=train), kept in
+  `<root>/<paper>/screen_s<seed>.json`. An existing file is read, not redone; with
+  `replot_only` a missing one gives {}.
+
+  Returns:
+    {train-task index: the fraction of its episodes that were correct}.
+  """
+  root = pathlib.Path(root)
+  out = root / paper / f"screen_s{seed}.json"
+  if not out.is_file():
+    if replot_only:
+      print(f"no screen at {out}: nothing to pick a pool from (replot only)", flush=True)
+      return {}
+    path = run_dir(root / WARM_DIR, paper, warm_start.name, seed)
+    run_arm(paper, warm_start, seed, scale, root / WARM_DIR, keep_checkpoints=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"=== {path.name}: screening {num_tasks} training tasks, {num_samples} samples each",
+          flush=True)
+    sampled_eval(path, num_samples, out, range(num_tasks))
+  hits: dict[str, list[bool]] = {}
+  for episode in (read_json(out) or {}).get("episodes", []):
+    hits.setdefault(episode["task_id"], []).append(bool(episode["correct"]))
+  if len(hits) != num_tasks:
+    raise ValueError(f"{out} scores {len(hits)} tasks, not the {num_tasks} asked for: delete "
+                     f"it to screen again")
+  return {i: sum(v) / len(v) for i, v in enumerate(hits.values())}  # in the order screened
+
+
 def _graft_warm_start(path: pathlib.Path, warm: pathlib.Path) -> None:
   """Gives a run that resumed from `warm` the warm start's eval files and metrics rows (its
   SFT steps, base and SFT evals) ahead of its own, so the folder reads as one whole run.
@@ -181,7 +222,7 @@ def _graft_warm_start(path: pathlib.Path, warm: pathlib.Path) -> None:
 
 def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Path,
             rerun: bool = False, pass_k: int = 0, keep_checkpoints: bool = False,
-            replot_only: bool = False) -> Run | None:
+            replot_only: bool = False, pool_samples: int = 0) -> Run | None:
   """Trains and evaluates one (arm, seed) in `<root>/<paper>/<arm>_s<seed>` (a
   launch/train.py process) and returns its record.
 
@@ -197,16 +238,26 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
       at the rollout temperature (launch/evaluate.py --samples: eval_sampled.json,
       pass@1..k), and so is the warm start's policy (eval_sft_sampled.json).
     keep_checkpoints: keep the checkpoints and TensorBoard events (not worth committing).
+    pool_samples: > 0: the final policy and the warm start's are also evaluated with that
+      many samples per task on the training tasks RL drew from (the arm's
+      rollout.task_ids, which it must set): `POOL_EVAL` and `SFT_POOL_EVAL`, paired task by
+      task (the positive control, notebooks/control.py).
     replot_only: train nothing (regenerating tables from committed results must never
       start hours of training); returns the finished run's record, else None.
 
   Raises:
+    ValueError: pool_samples without rollout.task_ids or without a warm start.
     KeyboardInterrupt: the run stopped before its final eval (a signal); running the arm
       again resumes it.
   """
   root = pathlib.Path(root)
   path = run_dir(root, paper, arm.name, seed)
   config = build_config(arm, seed, scale)
+  pool = tuple(config.rollout.task_ids)
+  if pool_samples and not (pool and arm.warm_start is not None):
+    raise ValueError(f"arm {arm.name!r}: pool_samples evaluates the training tasks RL drew "
+                     f"from against the warm start's policy; it needs rollout.task_ids and a "
+                     f"warm start")
   if replot_only or (is_finished(path) and not rerun):
     if not is_finished(path):
       print(f"no finished run at {path}: left out (replot only)", flush=True)
@@ -232,6 +283,9 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
                             f"resume it")
   if pass_k:
     sampled_eval(path, pass_k)
+  if pool_samples:
+    sampled_eval(path, pool_samples, path / POOL_EVAL, pool)
+    sampled_eval(warm, pool_samples, path / SFT_POOL_EVAL, pool)
   if warm is not None:
     _graft_warm_start(path, warm)
     if pass_k:  # the SFT policy's pass@k, beside the RL policy's
@@ -251,10 +305,11 @@ def run_arm(paper: str, arm: Arm, seed: int, scale: str, root: str | pathlib.Pat
 
 
 def run_arms(paper: str, arms: Iterable[Arm], scale: str, root: str | pathlib.Path,
-             rerun: bool = False, pass_k: int = 0, replot_only: bool = False) -> list[Run]:
+             rerun: bool = False, pass_k: int = 0, replot_only: bool = False,
+             pool_samples: int = 0) -> list[Run]:
   """`run_arm` for every seed of every arm (the first seed only at the smoke scale); the
   records of the runs there are (with `replot_only`, of the finished ones)."""
   runs = [run_arm(paper, arm, seed, scale, root, rerun=rerun, pass_k=pass_k,
-                  replot_only=replot_only)
+                  replot_only=replot_only, pool_samples=pool_samples)
           for arm in arms for seed in (arm.seeds[:1] if scale == "smoke" else arm.seeds)]
   return [r for r in runs if r is not None]
