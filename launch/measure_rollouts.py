@@ -47,7 +47,7 @@ def main(argv):
     try:
       common.override(_CONFIG.value, common.json_overrides(_OVERRIDES.value))
     except ValueError as e:
-      raise app.UsageError(f"--overrides: {e}") from e
+      raise app.UsageError(str(e)) from e
   import jax
 
   from tree_rl.rollout.measure import measure_rollouts

@@ -132,15 +132,14 @@ def paired_row(label: str, metric: str, va: dict[Any, float], vb: dict[Any, floa
   xa, xb = np.array([va[k] for k in keys]), np.array([vb[k] for k in keys])
   d = xa - xb
   n, sd = len(d), float(d.std(ddof=1))
-  half = scipy.stats.t.ppf(1 - ALPHA / 2, n - 1) * sd / math.sqrt(n)
+  ci = stats.seed_interval(d.tolist(), sd, n - 1, level=1 - ALPHA)  # units in place of seeds
   p = float(scipy.stats.ttest_rel(xa, xb).pvalue) if sd > 0 else (
       1.0 if d.mean() == 0 else 0.0)
   if effect is None:
     effect = abs(relative_effect * float(xb.mean())) or relative_effect
   observed = abs(float(d.mean()))
   return MechanismRow(label, metric, n, float(xa.mean()), float(xb.mean()), float(d.mean()),
-                      (float(d.mean() - half), float(d.mean() + half)),
-                      stats.paired_bootstrap(d), p, float(effect),
+                      ci, stats.paired_bootstrap(d), p, float(effect),
                       stats.seeds_for_power(sd, effect, power=POWER, alpha=ALPHA,
                                             most=MOST_UNITS),
                       stats.seeds_for_power(sd, observed, power=POWER, alpha=ALPHA,
