@@ -351,9 +351,7 @@ def evaluate_policy_folder(model: str, *, task: str | None = None, num_tasks: in
       if given:
         raise ValueError(f"num_samples={num_samples} evaluates the run on its own tasks and "
                          f"settings; drop {sorted(given)}")
-      r = cfg.rollout
-      params = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens)
+      params = SamplingParams.from_rollout(cfg.rollout)
       engine_seed = cfg.seed
     if split == "train":
       given = [n for n, v in (("task", task), ("num_tasks", num_tasks), ("seed", seed))

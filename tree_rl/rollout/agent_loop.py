@@ -55,6 +55,14 @@ class AgentConfig:
   sampling: SamplingParams = SamplingParams(max_new_tokens=256)
   tool_workers: int = 16
 
+  @classmethod
+  def from_rollout(cls, rollout: Any) -> AgentConfig:
+    """A run's agent loop from `config.rollout` (a RolloutSpec): its group size, turn cap (0:
+    the family's), context and sampling."""
+    return cls(samples_per_task=rollout.samples_per_task, max_turns=rollout.max_turns or None,
+               max_context_tokens=rollout.max_context_tokens,
+               sampling=SamplingParams.from_rollout(rollout))
+
   def __post_init__(self):
     if self.samples_per_task < 1:
       raise ValueError(f"samples_per_task={self.samples_per_task} must be >= 1")

@@ -42,6 +42,13 @@ class SamplingParams:
   max_new_tokens: int = 256
   stop: tuple[str, ...] = ()
 
+  @classmethod
+  def from_rollout(cls, rollout: Any) -> SamplingParams:
+    """A run's rollout sampling: `config.rollout`'s (a RolloutSpec's) temperature, top-p,
+    top-k and per-step token limit."""
+    return cls(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+               max_new_tokens=rollout.max_new_tokens)
+
   def __post_init__(self):
     if self.temperature < 0:
       raise ValueError(f"temperature={self.temperature} must be >= 0")

@@ -117,7 +117,6 @@ def measure_rollouts(model: str | pathlib.Path, config: Any, *, repeats: int = 1
   from tree_rl.envs import make_family  # noqa: PLC0415
   from tree_rl.rollout.agent_loop import AgentConfig, AgentLoop  # noqa: PLC0415
   from tree_rl.rollout.chat import ChatFormat  # noqa: PLC0415
-  from tree_rl.rollout.engine import SamplingParams  # noqa: PLC0415
   from tree_rl.rollout.engines import EngineSpec, make_engine  # noqa: PLC0415
   from tree_rl.rollout.strategies import model_scorer  # noqa: PLC0415
   from tree_rl.rollout.strategies.base import RunContext, strategy_for_run  # noqa: PLC0415
@@ -148,11 +147,7 @@ def measure_rollouts(model: str | pathlib.Path, config: Any, *, repeats: int = 1
   strategy = strategy_for_run(r, cfg.seed, RunContext(
       cfg.algo.estimator, cfg.estimator_config(), vocab_size=policy.config.vocab_size,
       scorer=lambda: model_scorer(policy)))
-  agent = AgentLoop(engine, chat, family, AgentConfig(
-      samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
-      max_context_tokens=r.max_context_tokens,
-      sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens)), strategy=strategy)
+  agent = AgentLoop(engine, chat, family, AgentConfig.from_rollout(r), strategy=strategy)
   calls = []
   for repeat in range(repeats):
     engine.reseed(jax.random.fold_in(jax.random.key(seed), repeat))

@@ -119,12 +119,8 @@ class Rollout:
     self.strategy = strategy_for_run(r, cfg.seed, RunContext(
         cfg.algo.estimator, estimator_config, vocab_size=self.policy_model.config.vocab_size,
         scorer=lambda: scorer(self.policy_model)))
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens)
-    self.agent = AgentLoop(self.engine, chat, family, AgentConfig(
-        samples_per_task=r.samples_per_task, max_turns=r.max_turns or None,
-        max_context_tokens=r.max_context_tokens, sampling=sampling), strategy=self.strategy,
-        leaf_rewards=leaf_rewards)
+    self.agent = AgentLoop(self.engine, chat, family, AgentConfig.from_rollout(r),
+                           strategy=self.strategy, leaf_rewards=leaf_rewards)
     # More rollout workers (rollout.backend, num_workers): a step's tasks split across them
     # by task. The trainer's engine still serves eval.
     self.fleet = run_fleet(cfg, first, tokenizer, self.agent.config,
