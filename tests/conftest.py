@@ -7,15 +7,19 @@ import os
 import shutil
 
 # The fast tier's tests compile thousands of small programs and run most of them once or
-# twice: on a CPU, LLVM's optimisation passes cost more than they save there (-22% wall
-# time on the compile-heavy files). Training keeps XLA's default level, and so do CI
-# (CI=true), whose end-to-end runs execute long programs, and a machine with a GPU;
-# TREE_RL_TEST_XLA_OPT=<level> sets it.
+# twice. On a CPU two of XLA's compile stages cost more there than they save:
+# - LLVM's optimisation passes (level 0: -22% wall time on the compile-heavy files);
+# - the MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`, XLA's older
+#   emitters: the PPO update step of tests/algos/ppo_test.py compiles in 1.2 s, not 3.2 s).
+# Training keeps XLA's defaults, and so do CI (CI=true), whose end-to-end runs execute long
+# programs, and a machine with a GPU. TREE_RL_TEST_XLA_OPT=<level> sets the level (and
+# keeps the fusion emitters when it is not 0).
 _DEFAULT_LEVEL = os.environ.get("CI") == "true" or shutil.which("nvidia-smi")
 _OPT = os.environ.get("TREE_RL_TEST_XLA_OPT", "" if _DEFAULT_LEVEL else "0")
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     + (f" --xla_backend_optimization_level={_OPT}" if _OPT else "")
+    + (" --xla_cpu_use_fusion_emitters=false" if _OPT == "0" else "")
 ).strip()
 
 import jax  # noqa: E402
@@ -40,8 +44,28 @@ if _CACHE:
 
 # jaxtyping + beartype check every annotated shape in tree_rl during tests
 # (off in training, where the hook is not installed).
+import importlib.util  # noqa: E402
+
+from jaxtyping import _import_hook as _jaxtyping_hook  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
+# While the hook runs a tree_rl module it points every import at the instrumented
+# bytecode's file name (jaxtyping 0.3), so each library first imported from tree_rl
+# (flax, orbax, scipy, sympy: about 2,400 modules) missed its installed .pyc and was
+# compiled from source, in each xdist worker. Only tree_rl's own files take that name.
+_TREE_RL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "tree_rl") + os.sep
+_instrumented_cache_path = getattr(_jaxtyping_hook, "_optimized_cache_from_source", None)
+
+
+def _cache_from_source(typechecker_hash, /, path, debug_override=None):
+  if os.path.abspath(path).startswith(_TREE_RL_DIR):
+    return _instrumented_cache_path(typechecker_hash, path, debug_override)
+  return importlib.util.cache_from_source(path, debug_override)
+
+
+if _instrumented_cache_path is not None:  # (a jaxtyping without it needs nothing here)
+  _jaxtyping_hook._optimized_cache_from_source = _cache_from_source
 install_import_hook("tree_rl", "beartype.beartype")
 
 

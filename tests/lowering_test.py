@@ -44,39 +44,42 @@ def _main_job_ppo_config() -> ppo.PPOConfig:
                        estimator_config=cfg.estimator_config(), logprob_chunk=256)
 
 
-@pytest.mark.parametrize("platform", lowering.PLATFORMS)
 @pytest.mark.parametrize("shape", sorted(lowering.SHAPES))
-def test_every_program_lowers_with_the_pallas_kernel(shape, platform):
+def test_every_program_lowers_with_the_pallas_kernel(shape):
   attention = AttentionConfig("pallas", block=64, interpret=False)
-  out = lowering.export_programs(lowering.SHAPES[shape], platform, attention,
-                                 _main_job_ppo_config())
-  assert sorted(out) == sorted(lowering.PROGRAMS)
-  other = next(p for p in lowering.PLATFORMS if p != platform)
-  for name, exported in out.items():
-    assert exported.platforms == (platform,)
-    assert lowering.kernel_calls(exported, platform) == KERNELS[name], name
-    assert lowering.kernel_calls(exported, other) == 0, name  # only this platform's kernels
-  # The kernels by name: forward, dq and dk/dv in the update step.
-  text = out["update_step"].mlir_module()
-  suffix = "_tpu" if platform == "tpu" else ""
-  for kernel in ("tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv"):
-    assert kernel + suffix in text
+  lowered = lowering.export_programs(lowering.SHAPES[shape], lowering.PLATFORMS, attention,
+                                     _main_job_ppo_config())
+  assert sorted(lowered) == sorted(lowering.PLATFORMS)
+  for platform, out in lowered.items():
+    assert sorted(out) == sorted(lowering.PROGRAMS)
+    other = next(p for p in lowering.PLATFORMS if p != platform)
+    for name, exported in out.items():
+      assert exported.platforms == (platform,)
+      assert lowering.kernel_calls(exported, platform) == KERNELS[name], (platform, name)
+      assert lowering.kernel_calls(exported, other) == 0, (platform, name)  # only its own
+    # The kernels by name: forward, dq and dk/dv in the update step.
+    text = out["update_step"].mlir_module()
+    suffix = "_tpu" if platform == "tpu" else ""
+    for kernel in ("tree_attention_fwd", "tree_attention_dq", "tree_attention_dkv"):
+      assert kernel + suffix in text, (platform, kernel)
 
 
-@pytest.mark.parametrize("platform", lowering.PLATFORMS)
-def test_the_blockwise_update_lowers_with_its_backstop_on_device(platform):
+def test_the_blockwise_update_lowers_with_its_backstop_on_device():
   """Blockwise attention's bound backstop is a device-side count, not a host callback
   (which cannot be lowered for another platform)."""
   shape = lowering.SHAPES["smollm2_135m_lora"]
-  out = lowering.export_programs(shape, platform, AttentionConfig("blockwise", 64, 8),
-                                 _main_job_ppo_config(), programs=("update_step", "sft_step"))
-  for exported in out.values():
-    assert not re.search(r"custom_call @\w*callback", exported.mlir_module())
+  lowered = lowering.export_programs(shape, lowering.PLATFORMS,
+                                     AttentionConfig("blockwise", 64, 8), _main_job_ppo_config(),
+                                     programs=("update_step", "sft_step"))
+  for platform, out in lowered.items():
+    assert sorted(out) == ["sft_step", "update_step"]
+    for exported in out.values():
+      assert not re.search(r"custom_call @\w*callback", exported.mlir_module()), platform
 
 
 def test_unknown_platforms_and_programs_fail_naming_them():
   shape, attn = lowering.SHAPES["smollm2_135m_lora"], AttentionConfig()
-  with pytest.raises(ValueError, match="platform='rocm'"):
-    lowering.export_programs(shape, "rocm", attn, _main_job_ppo_config())
+  with pytest.raises(ValueError, match="platforms=\\('cuda', 'rocm'\\)"):
+    lowering.export_programs(shape, ("cuda", "rocm"), attn, _main_job_ppo_config())
   with pytest.raises(ValueError, match=r"unknown programs \['eval'\]"):
-    lowering.export_programs(shape, "cuda", attn, _main_job_ppo_config(), programs=("eval",))
+    lowering.export_programs(shape, ("cuda",), attn, _main_job_ppo_config(), programs=("eval",))

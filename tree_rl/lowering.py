@@ -4,7 +4,8 @@
 abstract shapes, on any host: a program that would fail on a user's first GPU or
 TPU run (an op only the CPU backend has, a host callback, a block shape Triton or
 Mosaic refuses) fails here instead. `export_programs` lowers the five programs a
-run compiles, at a model's real shapes and without allocating its weights:
+run compiles, for each platform, at a model's real shapes and without allocating its
+weights:
 
 * `update_step`: the PPO update (`tree_rl.algos.ppo.make_update_step`);
 * `sft_step`: the SFT warm start's step (`tree_rl.algos.sft.make_sft_step`);
@@ -144,48 +145,52 @@ def _sampler_inputs(shape: Shape, max_new_tokens: int):
   return admit, decode
 
 
-def export_programs(shape: Shape, platform: str, attention: AttentionConfig,
+def export_programs(shape: Shape, platforms: Sequence[str], attention: AttentionConfig,
                     ppo_config: ppo.PPOConfig, programs: Sequence[str] = PROGRAMS,
-                    logprob_chunk: int = 256) -> dict[str, export.Exported]:
-  """`programs` of a run of `shape`'s model, lowered for `platform` ("cuda" or "tpu").
+                    logprob_chunk: int = 256) -> dict[str, dict[str, export.Exported]]:
+  """`programs` of a run of `shape`'s model, lowered for each of `platforms` ("cuda",
+  "tpu"): `{platform: {program: Exported}}`.
 
-  `attention` is the update's (and SFT's and the scorer's) tree attention; give a Pallas
-  config `interpret=False`, so the kernel is lowered for the platform, not interpreted.
-  Raises whatever blocks the lowering.
+  Each program is traced once and lowered per platform. `attention` is the update's (and
+  SFT's and the scorer's) tree attention; give a Pallas config `interpret=False`, so the
+  kernel is lowered for the platform, not interpreted. Raises whatever blocks a lowering.
   """
-  if platform not in PLATFORMS:
-    raise ValueError(f"platform={platform!r}; choose one of {PLATFORMS}")
+  bad = [p for p in platforms if p not in PLATFORMS]
+  if bad or not platforms:
+    raise ValueError(f"platforms={tuple(platforms)!r}; choose from {PLATFORMS}")
   unknown = sorted(set(programs) - set(PROGRAMS))
   if unknown:
     raise ValueError(f"unknown programs {unknown}; choose from {PROGRAMS}")
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5))
-  out: dict[str, export.Exported] = {}
+  jitted: dict[str, tuple] = {}  # program -> (jitted function, its arguments)
   state = batch = None
   if {"update_step", "sft_step", "score"} & set(programs):
     state, batch = abstract_state(shape, attention, optimizer), batch_of(shape)
   rng = jax.eval_shape(lambda: jax.random.key(0))
   if "update_step" in programs:
     step = jax.jit(ppo.make_update_step(ppo_config, optimizer), donate_argnums=0)
-    out["update_step"] = _export(step, platform, state, batch, rng)
+    jitted["update_step"] = (step, (state, batch, rng))
   if "sft_step" in programs:
     step = jax.jit(sft.make_sft_step(optimizer, logprob_chunk), donate_argnums=0)
-    out["sft_step"] = _export(step, platform, state, batch)
+    jitted["sft_step"] = (step, (state, batch))
   if "score" in programs:
     from tree_rl.rollout.strategies.appo import score_program  # noqa: PLC0415
 
     graphdef, model_state = nnx.split(nnx.merge(state.graphdef, state.params, state.frozen))
-    out["score"] = _export(score_program, platform, graphdef, model_state, batch)
+    jitted["score"] = (score_program, (graphdef, model_state, batch))
   if {"sampler_admit", "sampler_decode"} & set(programs):
     from tree_rl.rollout import jax_sampler  # noqa: PLC0415
 
     admit, decode = _sampler_inputs(shape, max_new_tokens=32)
     if "sampler_admit" in programs:
       # An admission's four programs (prefix copies, prefill, fork copies, seat) as one.
-      admit_all = jax.jit(jax_sampler.SamplerLoop.admit, static_argnums=0)
-      out["sampler_admit"] = _export(admit_all, platform, *admit)
+      jitted["sampler_admit"] = (jax.jit(jax_sampler.SamplerLoop.admit, static_argnums=0),
+                                 admit)
     if "sampler_decode" in programs:
-      out["sampler_decode"] = _export(jax_sampler._decode_program, platform, *decode)
-  return out
+      jitted["sampler_decode"] = (jax_sampler._decode_program, decode)
+  # The same jitted function for every platform: the second lowering reuses the trace.
+  return {platform: {name: _export(fn, platform, *args) for name, (fn, args) in jitted.items()}
+          for platform in platforms}
 
 
 def kernel_calls(exported: export.Exported, platform: str) -> int:

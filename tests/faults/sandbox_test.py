@@ -28,6 +28,10 @@ from tests.isolation import ISOLATION, needs_bwrap
 from tree_rl.envs.sandbox import SandboxLimits, SandboxResult
 from tree_rl.envs.sandbox import run_python as _run_python
 
+# Every test launches a sandboxed Python child (most under bubblewrap) and many wait out a
+# CPU or wall-clock limit: the `e2e` tier, which CI runs.
+pytestmark = pytest.mark.e2e
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -245,7 +245,7 @@ def test_generated_malformed_steps_never_raise_and_are_answered_with_errors(chat
   executor = ToolExecutor(TOOLS, output_cap=ToolOutputCap(CAP_TOKENS, chat.encode))
   SEEN.clear()
 
-  @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None,
+  @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
   @given(st.lists(_step(), min_size=STEPS_PER_EXAMPLE, max_size=STEPS_PER_EXAMPLE))
   def check(steps):

