@@ -81,5 +81,7 @@ def test_unknown_platforms_and_programs_fail_naming_them():
   shape, attn = lowering.SHAPES["smollm2_135m_lora"], AttentionConfig()
   with pytest.raises(ValueError, match="platforms=\\('cuda', 'rocm'\\)"):
     lowering.export_programs(shape, ("cuda", "rocm"), attn, _main_job_ppo_config())
+  with pytest.raises(ValueError, match="platforms='cuda'; choose a sequence of"):
+    lowering.export_programs(shape, "cuda", attn, _main_job_ppo_config())  # one, not a list
   with pytest.raises(ValueError, match=r"unknown programs \['eval'\]"):
     lowering.export_programs(shape, ("cuda",), attn, _main_job_ppo_config(), programs=("eval",))

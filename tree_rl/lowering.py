@@ -155,9 +155,8 @@ def export_programs(shape: Shape, platforms: Sequence[str], attention: Attention
   SFT's and the scorer's) tree attention; give a Pallas config `interpret=False`, so the
   kernel is lowered for the platform, not interpreted. Raises whatever blocks a lowering.
   """
-  bad = [p for p in platforms if p not in PLATFORMS]
-  if bad or not platforms:
-    raise ValueError(f"platforms={tuple(platforms)!r}; choose from {PLATFORMS}")
+  if isinstance(platforms, str) or not platforms or not set(platforms) <= set(PLATFORMS):
+    raise ValueError(f"platforms={platforms!r}; choose a sequence of {PLATFORMS}")
   unknown = sorted(set(programs) - set(PROGRAMS))
   if unknown:
     raise ValueError(f"unknown programs {unknown}; choose from {PROGRAMS}")
