@@ -122,9 +122,12 @@ def test_domain_errors_become_tool_errors(tools, name, arguments, fragment):
 # -- Behaviour against the world ------------------------------------------------
 
 def test_world_builds_fast_and_deterministically():
-  start = time.perf_counter()
-  a = World.build(3)
-  assert time.perf_counter() - start < 0.2
+  times = []
+  for _ in range(3):  # the fastest of three: the build's own time, not a loaded machine's
+    start = time.perf_counter()
+    a = World.build(3)
+    times.append(time.perf_counter() - start)
+  assert min(times) < 0.2, times
   assert a == World.build(3)
   assert a.companies != World.build(4).companies
 

@@ -56,7 +56,7 @@ def _chain_tree(lengths, branches=()):
 
 
 # backend -> (block, packed tokens per row, scale of the edge cases' node lengths)
-BACKENDS = {"gpu": (16, 128, 1), "tpu": (128, 1024, 8)}
+BACKENDS = {"gpu": (16, 128, 1), "tpu": (128, 512, 4)}
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "backend", "max_kv_blocks"))
@@ -108,12 +108,14 @@ def test_kernel_equals_dense_on_random_trees(trees, dtype):
 
 
 def _edge_case(case: str, scale: int):
-  """The edge cases' trees, node lengths times `scale` (8 for the TPU's 128-token blocks)."""
+  """The edge cases' trees, node lengths times `scale` (4 for the TPU's 128-token blocks:
+  the trees span 1-3 of a 512-token row's 4 blocks)."""
   x = lambda *lengths: [n * scale for n in lengths]
   return {
       # Every node one token: many nodes per block, the mask does all the work.
-      "single_token_nodes": [_chain_tree([1] * 20 * min(scale, 7),
-                                         branches=[1] * 10 * min(scale, 5))],
+      # (190 of them on the TPU's: they fill two of its 128-token blocks.)
+      "single_token_nodes": [_chain_tree([1] * (20 if scale == 1 else 140),
+                                         branches=[1] * (10 if scale == 1 else 50))],
       # A tree that is just its prompt: plain causal attention over one node.
       "one_node": [_chain_tree(x(37))],
       # A short tree in a long row: most query and key blocks are padding.

@@ -386,6 +386,21 @@ def _decode(tokenizer, ids) -> str:
   return tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _free_state(w: int, m: int, ns: int, vocab: int, max_stop_tokens: int) -> SamplerState:
+  """A call's state of `w` free slots for up to `m` new tokens each and `ns` stop
+  sequences: one program per shape, not 15 op-by-op dispatches per call."""
+  i32, f32 = jnp.int32, jnp.float32
+  return SamplerState(
+      row=jnp.zeros(w, i32), done=jnp.ones(w, bool), reason=jnp.zeros(w, i32),
+      length=jnp.zeros(w, i32), t=jnp.zeros(w, i32), logits=jnp.zeros((w, vocab), f32),
+      window=jnp.full((w, max_stop_tokens), -2, i32), tokens=jnp.full((w, m), -1, i32),
+      logprobs=jnp.zeros((w, m), f32), entropies=jnp.zeros((w, m), f32),
+      keys=jax.random.split(jax.random.key(0), w), temperature=jnp.ones(w, f32),
+      top_p=jnp.ones(w, f32), top_k=jnp.zeros(w, i32), max_new=jnp.ones(w, i32),
+      stop_use=jnp.zeros((w, ns), bool))
+
+
 class JaxSampler:
   """The embedded RolloutEngine: jitted admit/decode programs over a persistent row cache.
 
@@ -523,16 +538,7 @@ class JaxSampler:
   # ------------------------------------------------------------------------
 
   def _free_slots(self, w: int, m: int, ns: int) -> SamplerState:
-    i32, f32 = jnp.int32, jnp.float32
-    return SamplerState(
-        row=jnp.zeros(w, i32), done=jnp.ones(w, bool), reason=jnp.zeros(w, i32),
-        length=jnp.zeros(w, i32), t=jnp.zeros(w, i32),
-        logits=jnp.zeros((w, self.config.vocab_size), f32),
-        window=jnp.full((w, self.max_stop_tokens), -2, i32), tokens=jnp.full((w, m), -1, i32),
-        logprobs=jnp.zeros((w, m), f32), entropies=jnp.zeros((w, m), f32),
-        keys=jax.random.split(jax.random.key(0), w), temperature=jnp.ones(w, f32),
-        top_p=jnp.ones(w, f32), top_k=jnp.zeros(w, i32), max_new=jnp.ones(w, i32),
-        stop_use=jnp.zeros((w, ns), bool))
+    return _free_state(w, m, ns, self.config.vocab_size, self.max_stop_tokens)
 
   def _lcp(self, tokens: np.ndarray) -> tuple[int, int]:
     """(row, length) of the cached row sharing the longest prefix with `tokens`."""

@@ -55,10 +55,13 @@ class TreeStructure:
   is_policy: Bool[Array, "B N"]
 
 
+@jax.jit
 def structure(batch: TreeBatch) -> TreeStructure:
   """The per-tree structure, from the per-node arrays `pack` emits: subtree ranges give the
   ancestor test (m <= n < subtree_end[m]) and the leaves under each node as comparisons,
-  so nothing here loops over nodes or passes over the L tokens."""
+  so nothing here loops over nodes or passes over the L tokens. Jitted: inside a program it
+  is inlined; called on host arrays it is one compiled program per batch shape, not a
+  dozen op-by-op dispatches."""
   n_nodes = batch.parent.shape[1]
   node_valid = batch.node_kind != PAD_KIND
   leaf_valid = batch.leaf_node >= 0
