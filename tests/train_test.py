@@ -370,6 +370,19 @@ def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
   assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
+def test_a_refused_config_skips_the_memory_release(tmp_path, monkeypatch):
+  """A run refused at start-up placed no device array: no full gc (about a second in a
+  large process) after it."""
+  released = []
+  monkeypatch.setattr(train, "release_memory", lambda: released.append(1))
+  c = _config("grpo")
+  with c.unlocked():
+    c.optim.lr = float("nan")
+  with pytest.raises(ValueError, match="config.optim.lr=nan"):
+    train.train_and_evaluate(c, str(tmp_path))
+  assert released == []
+
+
 def test_unknown_config_key_and_argument_fail_with_the_valid_ones(tmp_path):
   c = _config("grpo")
   with c.unlocked():
