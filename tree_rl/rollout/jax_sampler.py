@@ -389,7 +389,7 @@ def _decode(tokenizer, ids) -> str:
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _free_state(w: int, m: int, ns: int, vocab: int, max_stop_tokens: int) -> SamplerState:
   """A call's state of `w` free slots for up to `m` new tokens each and `ns` stop
-  sequences: one program per shape, not 15 op-by-op dispatches per call."""
+  sequences: one program per shape, not one op-by-op dispatch per field."""
   i32, f32 = jnp.int32, jnp.float32
   return SamplerState(
       row=jnp.zeros(w, i32), done=jnp.ones(w, bool), reason=jnp.zeros(w, i32),
