@@ -16,8 +16,7 @@ from tree_rl.tree import Buckets, LeafTag, NodeKind, RolloutTree
 
 # CI (CI=true) draws every property test's full count of examples; elsewhere, as in the
 # fast tier (`pytest -m "not e2e"`), an eighth of it, at least 10 (and never more than the
-# full count; a cold fast tier took 465 s of CPU at a quarter, 412 s at an eighth).
-# TREE_RL_FULL_EXAMPLES=1 asks for the full count anywhere.
+# full count). TREE_RL_FULL_EXAMPLES=1 asks for the full count anywhere.
 FULL_EXAMPLES = (os.environ.get("CI", "").lower() == "true"
                  or os.environ.get("TREE_RL_FULL_EXAMPLES") == "1")
 
