@@ -489,7 +489,7 @@ class JaxSampler:
     w = min(self.rows, _bucket(len(todo), 1))
     m = _bucket(max(requests[i].params.max_new_tokens for i in todo))
     loop = SamplerLoop(self.model, m, self.eos_ids)
-    state = self._free_slots(w, m, table.shape[0])
+    state = _free_state(w, m, table.shape[0], self.config.vocab_size, self.max_stop_tokens)
     stop_seqs = jax.device_put(table)
     queue = collections.deque(todo)
     slot_req, slot_row = [-1] * w, [-1] * w  # the request each slot runs, and its row
@@ -536,9 +536,6 @@ class JaxSampler:
     return results  # type: ignore[return-value]
 
   # ------------------------------------------------------------------------
-
-  def _free_slots(self, w: int, m: int, ns: int) -> SamplerState:
-    return _free_state(w, m, ns, self.config.vocab_size, self.max_stop_tokens)
 
   def _lcp(self, tokens: np.ndarray) -> tuple[int, int]:
     """(row, length) of the cached row sharing the longest prefix with `tokens`."""
