@@ -371,7 +371,7 @@ def test_bad_configs_fail_before_any_compile(tmp_path, edit, message):
 
 
 def test_a_refused_config_skips_the_memory_release(tmp_path, monkeypatch):
-  """A run refused at start-up placed no device array: no full gc (about a second in a
+  """A run refused at start-up placed no device array: no full gc (0.6-0.8 s in a
   large process) after it."""
   released = []
   monkeypatch.setattr(train, "release_memory", lambda: released.append(1))

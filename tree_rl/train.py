@@ -192,7 +192,7 @@ def release_memory() -> None:
 def _releasing_memory(fn):
   """`fn`, then `release_memory` once its frame (the run's objects) is gone, if it left
   device arrays behind. A run refused at start-up (a bad config) has placed none, and
-  skips the full collection (about a second in a process with a large heap)."""
+  skips the full collection (0.6-0.8 s in a test worker of 900,000 objects)."""
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
